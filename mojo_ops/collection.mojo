@@ -1,0 +1,189 @@
+"""The opaque `ContinuousBatchingKVCacheCollection` graph value and its ctor.
+
+Protocol (mirrors MAX 24.x `ContinuousBatchingKVCacheManager`):
+
+1. The Python manager's `fetch()` hands the graph four tensors per device:
+   `blocks` `[max_batch, 2, num_layers, max_seq_len, num_heads, head_dim]`,
+   `cache_lengths` uint32 `[batch]`, `lookup_table` uint32 `[batch]` (the cache
+   slot of each sequence, in batch order) and the host tensor `max_lengths`
+   uint32 `[num_steps, 2]` (row 0: max new tokens, max cache length).
+2. `maxkv.kv_collection_ctor` (this file) wraps them, without copying, into a
+   `ContinuousBatchingKVCacheCollection` that travels through the graph as an
+   opaque value.
+3. Every consumer op takes the collection and calls `view()`, which rebuilds
+   MAX's own `kv_cache.types.ContinuousBatchingKVCacheCollection`, so kernels
+   use the standard `get_key_cache(layer)` / `cache_length(b)` API.
+"""
+
+import extensibility
+from extensibility import InputTensor
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import is_cpu
+from kv_cache.types import (
+    ContinuousBatchingKVCacheCollection as MaxContinuousBatchingKVCacheCollection,
+    KVCacheStaticParams,
+)
+from layout import Layout, LayoutTensor, RuntimeLayout, UNKNOWN_VALUE, lt_to_tt
+from std.utils import IndexList
+
+
+struct ContinuousBatchingKVCacheCollection[
+    dtype_name: StaticString, num_heads: Int, head_dim: Int
+](ImplicitlyCopyable, Movable):
+    """A borrowed view of the KV cache for the sequences of one batch.
+
+    Parameters:
+        dtype_name: Element type of the cache, spelled as `DType` prints it
+            ("float32", "bfloat16", ...): MAX passes opaque-type parameters
+            from Python as strings, not as `DType`.
+        num_heads: Key/value heads held on this device.
+        head_dim: Size of one head.
+
+    The struct owns nothing: it holds untracked pointers into the manager's
+    buffers (which outlive the graph execution) plus their runtime shape.
+    """
+
+    comptime dtype = DType._from_str(Self.dtype_name).value()
+    comptime kv_params = KVCacheStaticParams(
+        num_heads=Self.num_heads, head_size=Self.head_dim
+    )
+    comptime MaxCollection = MaxContinuousBatchingKVCacheCollection[
+        Self.dtype, Self.kv_params, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin
+    ]
+
+    var blocks: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]
+    var cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin]
+    var lookup_table: UnsafePointer[UInt32, MutUntrackedOrigin]
+    var blocks_shape: IndexList[6]
+    var batch_size: Int
+    var max_seq_length: UInt32
+    var max_cache_length: UInt32
+
+    def __init__(
+        out self,
+        blocks: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin],
+        cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin],
+        lookup_table: UnsafePointer[UInt32, MutUntrackedOrigin],
+        blocks_shape: IndexList[6],
+        batch_size: Int,
+        max_seq_length: UInt32,
+        max_cache_length: UInt32,
+    ):
+        self.blocks = blocks
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+        self.blocks_shape = blocks_shape
+        self.batch_size = batch_size
+        self.max_seq_length = max_seq_length
+        self.max_cache_length = max_cache_length
+
+    @always_inline
+    def num_layers(self) -> Int:
+        return self.blocks_shape[2]
+
+    @always_inline
+    def max_cache_slots(self) -> Int:
+        return self.blocks_shape[0]
+
+    @always_inline
+    def capacity(self) -> Int:
+        """Tokens each cache slot can hold (the manager's `max_seq_len`)."""
+        return self.blocks_shape[3]
+
+    def view(self) -> Self.MaxCollection:
+        """Rebuilds MAX's `ContinuousBatchingKVCacheCollection` over the same memory."""
+        comptime blocks_layout = Layout.row_major[6]()
+        comptime vector_layout = Layout(UNKNOWN_VALUE)
+        var batch = IndexList[1](self.batch_size)
+        return {
+            lt_to_tt(
+                LayoutTensor[Self.dtype, blocks_layout, MutAnyOrigin](
+                    self.blocks.unsafe_origin_cast[MutAnyOrigin](),
+                    RuntimeLayout[blocks_layout].row_major(self.blocks_shape),
+                )
+            ),
+            lt_to_tt(
+                LayoutTensor[DType.uint32, vector_layout, ImmutAnyOrigin](
+                    self.cache_lengths.as_imm().unsafe_origin_cast[ImmutAnyOrigin](),
+                    RuntimeLayout[vector_layout].row_major(batch),
+                )
+            ),
+            lt_to_tt(
+                LayoutTensor[DType.uint32, vector_layout, ImmutAnyOrigin](
+                    self.lookup_table.as_imm().unsafe_origin_cast[ImmutAnyOrigin](),
+                    RuntimeLayout[vector_layout].row_major(batch),
+                )
+            ),
+            self.max_seq_length,
+            self.max_cache_length,
+        }
+
+    def check_bounds(self) raises:
+        """Raises if a lookup-table entry or a cache length is out of range.
+
+        Reads `cache_lengths` and `lookup_table`, so it must only be called
+        where they are host memory (CPU targets).  Guards against tensors
+        built by hand, not by the manager.
+        """
+        var capacity = UInt32(self.capacity())
+        for b in range(self.batch_size):
+            var slot = self.lookup_table[b]
+            if Int(slot) >= self.max_cache_slots():
+                raise Error(
+                    "maxkv: lookup_table[", b, "] = ", slot,
+                    " is out of range: the cache has ", self.max_cache_slots(), " slots",
+                )
+            var length = self.cache_lengths[b]
+            if length > capacity or self.max_seq_length > capacity - length:
+                raise Error(
+                    "maxkv: sequence ", b, " has cache length ", length, " and up to ",
+                    self.max_seq_length, " new tokens, past max_seq_len ", capacity,
+                )
+
+
+@extensibility.register("maxkv.kv_collection_ctor")
+struct KVCollectionCtor:
+    """Wraps the manager's four tensors into a `ContinuousBatchingKVCacheCollection`.
+
+    On CPU it also checks every lookup-table entry and cache length against
+    the blocks' shape and raises instead of handing out an out-of-bounds view.
+    """
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        target: StaticString,
+    ](
+        blocks: InputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+        max_lengths: InputTensor[dtype=DType.uint32, rank=2, ...],
+    ) raises -> ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim]:
+        comptime Collection = ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim]
+        comptime assert Collection.dtype == dtype, "blocks dtype differs from dtype_name"
+        if blocks.dim_size(4) != num_heads or blocks.dim_size(5) != head_dim:
+            raise Error("maxkv: blocks' last two dims must be [num_heads, head_dim]")
+        if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
+            raise Error("maxkv: cache_lengths and lookup_table differ in length")
+        if max_lengths.dim_size(0) < 1 or max_lengths.dim_size(1) != 2:
+            raise Error("maxkv: max_lengths must have shape [num_steps >= 1, 2]")
+        var shape = IndexList[6]()
+        for i in range(6):
+            shape[i] = blocks.dim_size(i)
+        var collection = Collection(
+            blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().bitcast[
+                Scalar[Collection.dtype]
+            ](),
+            cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            shape,
+            cache_lengths.dim_size(0),
+            UInt32(max_lengths[0, 0]),
+            UInt32(max_lengths[0, 1]),
+        )
+        comptime if is_cpu[target]():
+            collection.check_bounds()
+        return collection

@@ -1,0 +1,102 @@
+"""Where the maxkv Mojo kernels live, and a compiled copy of them.
+
+MAX compiles a Mojo *source* package passed as ``custom_extensions`` again for
+every graph that names it (about 15 s on two cores).  :func:`kernels_path`
+compiles the package once into a ``.mojoc`` file keyed by the hash of its
+sources and of the Mojo compiler, and returns that file, so every later graph,
+in this process or the next, skips the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+_PACKAGE_NAME = "mojo_ops"
+_lock = threading.Lock()
+
+
+def kernels_source_path() -> Path:
+    """Returns the Mojo source package (the folder holding ``__init__.mojo``).
+
+    Works for a wheel install, where the package ships as ``maxkv/mojo_ops``,
+    and for a source checkout or editable install, where it is the
+    repository's top-level ``mojo_ops/``.
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / _PACKAGE_NAME, here.parent.parent / _PACKAGE_NAME):
+        if (candidate / "__init__.mojo").is_file():
+            return candidate
+    raise FileNotFoundError(f"maxkv's Mojo package was not found next to {here}; reinstall maxkv")
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("MAXKV_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"maxkv_{os.getuid()}"
+
+
+def _source_digest(source: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(source.rglob("*.mojo")):
+        digest.update(path.relative_to(source).as_posix().encode())
+        digest.update(path.read_bytes())
+    digest.update(_mojo_version().encode())
+    return digest.hexdigest()[:24]
+
+
+def _mojo_version() -> str:
+    from importlib.metadata import version
+
+    try:
+        return version("mojo")
+    except Exception:  # pragma: no cover - mojo always ships with modular
+        return "unknown"
+
+
+def kernels_path() -> Path:
+    """Returns a path to pass to ``Graph(..., custom_extensions=[...])``.
+
+    The first call compiles the Mojo package (``mojo precompile``) into a
+    cache folder (``$MAXKV_CACHE_DIR``, default ``<tmp>/maxkv_<uid>``); later
+    calls, and later processes, reuse the file while the sources and the
+    compiler are unchanged.  Thread-safe; concurrent processes publish the
+    file with an atomic rename.
+
+    Raises:
+        RuntimeError: If the Mojo compiler rejects the package (the message
+            carries the compiler's output).
+    """
+    source = kernels_source_path()
+    with _lock:
+        target = _cache_dir() / f"maxkv_kernels_{_source_digest(source)}" / "mojo_ops.mojoc"
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f".staging.{os.getpid()}.{threading.get_ident()}"
+        staging.mkdir(exist_ok=True)
+        staged = staging / target.name
+        try:
+            _precompile(source, staged)
+            os.replace(staged, target)
+        finally:
+            staged.unlink(missing_ok=True)
+            staging.rmdir()
+        return target
+
+
+def _precompile(source: Path, output: Path) -> None:
+    from mojo.run import subprocess_run_mojo
+
+    try:
+        subprocess_run_mojo(
+            ["precompile", str(source), "-o", str(output)], capture_output=True, check=True
+        )
+    except subprocess.CalledProcessError as exc:
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
+        raise RuntimeError(f"compiling maxkv's Mojo kernels failed:\n{stderr}") from exc

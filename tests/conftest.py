@@ -1,0 +1,93 @@
+"""Shared fixtures: one inference session and one compiled graph per config.
+
+Graph compilation dominates the suite's time, so every compiled model is
+session-scoped and keyed by the configuration that changes its code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from max.driver import CPU
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import Graph
+
+import maxkv
+from maxkv import (
+    ContinuousBatchingKVCacheManager,
+    FetchContinuousBatchingKVCacheCollection,
+    KVCacheParams,
+)
+
+
+@pytest.fixture(scope="session")
+def session() -> InferenceSession:
+    return InferenceSession(devices=[CPU()])
+
+
+@pytest.fixture(scope="session")
+def kernels() -> Path:
+    return maxkv.kernels_path()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A manager configuration small enough for fast tests."""
+
+    dtype: DType = DType.float32
+    n_kv_heads: int = 2
+    head_dim: int = 8
+    max_cache_batch_size: int = 4
+    max_seq_len: int = 16
+    num_layers: int = 2
+
+    @property
+    def params(self) -> KVCacheParams:
+        return KVCacheParams(self.dtype, self.n_kv_heads, self.head_dim)
+
+    def manager(self, session: InferenceSession) -> ContinuousBatchingKVCacheManager:
+        return ContinuousBatchingKVCacheManager(
+            self.params,
+            self.max_cache_batch_size,
+            self.max_seq_len,
+            self.num_layers,
+            [CPU()],
+            session,
+        )
+
+
+@pytest.fixture
+def make_manager(session: InferenceSession) -> Callable[..., ContinuousBatchingKVCacheManager]:
+    def make(**overrides: object) -> ContinuousBatchingKVCacheManager:
+        return CacheConfig(**overrides).manager(session)  # type: ignore[arg-type]
+
+    return make
+
+
+@dataclass
+class LengthsModel:
+    """A compiled graph: the four cache inputs -> ctor -> ``ops.cache_lengths``."""
+
+    config: CacheConfig
+    model: Model
+
+
+@pytest.fixture(scope="session", params=[DType.float32, DType.bfloat16], ids=["f32", "bf16"])
+def lengths_model(
+    request: pytest.FixtureRequest, session: InferenceSession, kernels: Path
+) -> Iterator[LengthsModel]:
+    config = CacheConfig(dtype=request.param)
+    params = config.params
+    symbols = config.manager(session).input_symbols()[0]
+    with Graph(
+        f"cache_lengths_{params.dtype_name}", input_types=symbols, custom_extensions=[kernels]
+    ) as graph:
+        collection = FetchContinuousBatchingKVCacheCollection(params)(
+            *(value.tensor for value in graph.inputs)
+        )
+        graph.output(maxkv.ops.cache_lengths(params, collection))
+    yield LengthsModel(config, session.load(graph))
