@@ -9,14 +9,20 @@ must load :func:`maxkv.kernels_path` as a custom extension.
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
+import numpy as np
 from max.dtype import DType
-from max.graph import TensorType, TensorValue, ops
+from max.graph import DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
+from max.graph.type import DeviceKind
 
 from .graph import (
     BATCH_DIM,
     COLLECTION_TYPE_NAME,
     ContinuousBatchingKVCacheCollection,
+    kernel_parameters,
     opaque_parameters,
 )
 from .params import KVCacheParams
@@ -69,3 +75,255 @@ def cache_lengths(
         out_types=[TensorType(DType.uint32, [batch_size], device=device)],
         parameters=opaque_parameters(params),
     )[0].tensor
+
+
+# ------------------------------------------------------------ attention ops
+
+MaskVariant = Literal["causal", "null"]
+_MASKS: tuple[str, ...] = ("causal", "null")
+_ROPE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
+
+
+def _check_tensor(
+    name: str, value: object, dtype: DType | tuple[DType, ...], rank: int
+) -> TensorValue:
+    if not isinstance(value, TensorValue):
+        raise TypeError(f"{name} must be a TensorValue, got {type(value).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if value.dtype not in dtypes:
+        expected = " or ".join(d.name for d in dtypes)
+        raise ValueError(f"{name} must have dtype {expected}, got {value.dtype.name}")
+    if value.rank != rank:
+        raise ValueError(f"{name} must have rank {rank}, got rank {value.rank} ({value.shape})")
+    return value
+
+
+def _static_dim(name: str, value: TensorValue, axis: int) -> int:
+    try:
+        return int(value.shape[axis])
+    except TypeError:
+        raise ValueError(
+            f"{name} dim {axis} must be static, got symbolic {value.shape[axis]}"
+        ) from None
+
+
+def _check_row_offsets(input_row_offsets: object, device: DeviceRef) -> TensorValue:
+    offsets = _check_tensor("input_row_offsets", input_row_offsets, DType.uint32, 1)
+    if offsets.device != device:
+        raise ValueError(f"input_row_offsets must be on {device}, got {offsets.device}")
+    return offsets
+
+
+def _layer_index(layer_idx: int | TensorValue) -> TensorValue:
+    """``layer_idx`` as the uint32 host scalar the Mojo ops read."""
+    if isinstance(layer_idx, TensorValue):
+        _check_tensor("layer_idx", layer_idx, DType.uint32, 0)
+        if layer_idx.device.device_type != DeviceKind.CPU:
+            raise ValueError(f"layer_idx must live on the host, got {layer_idx.device}")
+        return layer_idx
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)):
+        raise TypeError(
+            f"layer_idx must be an int or a uint32 scalar TensorValue, got "
+            f"{type(layer_idx).__name__}"
+        )
+    if not 0 <= layer_idx < 2**32:
+        raise ValueError(f"layer_idx must be in [0, 2**32), got {layer_idx}")
+    return ops.constant(np.uint32(layer_idx), DType.uint32, device=DeviceRef.CPU())
+
+
+def _query_heads(params: KVCacheParams, name: str, n_heads: int) -> int:
+    kv_heads = params.n_kv_heads_per_device
+    if n_heads <= 0 or n_heads % kv_heads:
+        raise ValueError(
+            f"{name} implies {n_heads} query heads, which is not a positive multiple of "
+            f"n_kv_heads_per_device = {kv_heads}"
+        )
+    return n_heads
+
+
+def fused_qkv_ragged_matmul(
+    params: KVCacheParams,
+    input: TensorValue,
+    input_row_offsets: TensorValue,
+    wqkv: TensorValue,
+    kv_collection: ContinuousBatchingKVCacheCollection,
+    layer_idx: int | TensorValue,
+) -> TensorValue:
+    """Projects ``input`` to Q, K and V and writes K and V into the cache.
+
+    Computes ``input @ wqkv.T``; the Q part is returned, and each token's K
+    and V go into ``layer_idx``'s cache of its sequence at positions
+    ``cache_length ..`` (tokens of sequence *b* are rows
+    ``input_row_offsets[b] : input_row_offsets[b + 1]``).
+
+    Args:
+        params: The cache parameters the collection was built with.
+        input: ``[total_tokens, hidden]`` of ``params.dtype``.
+        input_row_offsets: uint32 ``[batch + 1]``, on the collection's device.
+        wqkv: ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` of
+            ``params.dtype`` (Q rows, then K rows, then V rows).
+        kv_collection: The collection (see ``FetchContinuousBatchingKVCacheCollection``).
+        layer_idx: The layer: a Python int or a uint32 scalar on the host.
+
+    Returns:
+        Q, ``[total_tokens, n_heads * head_dim]`` of ``params.dtype``.
+
+    Raises:
+        ValueError: On a wrong dtype, rank, static dim or head count.
+    """
+    _check_collection(params, kv_collection)
+    device = kv_collection.device
+    _check_tensor("input", input, params.dtype, 2)
+    _check_tensor("wqkv", wqkv, params.dtype, 2)
+    offsets = _check_row_offsets(input_row_offsets, device)
+    for name, value in (("input", input), ("wqkv", wqkv)):
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+    rows = _static_dim("wqkv", wqkv, 0)
+    kv_width = params.n_kv_heads_per_device * params.head_dim
+    if rows % params.head_dim or rows <= 2 * kv_width:
+        raise ValueError(
+            f"wqkv has {rows} rows; expected (n_heads + 2 * {params.n_kv_heads_per_device}) "
+            f"* {params.head_dim}"
+        )
+    n_heads = _query_heads(
+        params, "wqkv", rows // params.head_dim - 2 * params.n_kv_heads_per_device
+    )
+    if input.shape[1] != wqkv.shape[1]:
+        raise ValueError(
+            f"input's hidden size {input.shape[1]} differs from wqkv's {wqkv.shape[1]}"
+        )
+    return ops.inplace_custom(
+        "maxkv.fused_qkv_ragged_matmul",
+        device=device,
+        values=[input, offsets, wqkv, kv_collection, _layer_index(layer_idx)],
+        out_types=[TensorType(params.dtype, [input.shape[0], n_heads * params.head_dim], device)],
+        parameters=kernel_parameters(params),
+    )[0].tensor
+
+
+def fused_qk_ragged_rope(
+    params: KVCacheParams,
+    input: TensorValue,
+    input_row_offsets: TensorValue,
+    kv_collection: ContinuousBatchingKVCacheCollection,
+    freqs_cis: TensorValue,
+    layer_idx: int | TensorValue,
+    interleaved: bool = False,
+) -> TensorValue:
+    """Applies rotary embedding to Q and, in place, to the K just written.
+
+    Token *t* of sequence *b* sits at position ``cache_length[b] + t``; its K
+    is rotated in ``layer_idx``'s cache, so call this after
+    :func:`fused_qkv_ragged_matmul` of the same step.
+
+    Args:
+        params: The cache parameters the collection was built with.
+        input: Q, ``[total_tokens, n_heads, head_dim]`` of ``params.dtype``.
+        input_row_offsets: uint32 ``[batch + 1]``.
+        kv_collection: The collection.
+        freqs_cis: ``[max_positions, head_dim]`` float; row *p* holds
+            ``cos(p θ_0), sin(p θ_0), cos(p θ_1), sin(p θ_1), ...`` (see
+            :func:`rope_freqs_cis`).
+        layer_idx: The layer: a Python int or a uint32 scalar on the host.
+        interleaved: ``True`` rotates pairs ``(x[2i], x[2i+1])`` (GPT-J);
+            ``False`` rotates ``(x[i], x[i + head_dim/2])`` (Hugging Face Llama).
+
+    Returns:
+        The rotated Q, same shape and dtype as ``input``.
+    """
+    _check_collection(params, kv_collection)
+    device = kv_collection.device
+    _check_tensor("input", input, params.dtype, 3)
+    offsets = _check_row_offsets(input_row_offsets, device)
+    _query_heads(params, "input", _static_dim("input", input, 1))
+    if _static_dim("input", input, 2) != params.head_dim:
+        raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {input.shape[2]}")
+    _check_tensor("freqs_cis", freqs_cis, _ROPE_DTYPES, 2)
+    if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
+        raise ValueError(
+            f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
+        )
+    for name, value in (("input", input), ("freqs_cis", freqs_cis)):
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    return ops.inplace_custom(
+        "maxkv.fused_qk_ragged_rope",
+        device=device,
+        values=[input, offsets, kv_collection, freqs_cis, _layer_index(layer_idx)],
+        out_types=[TensorType(input.dtype, input.shape, device)],
+        parameters={**kernel_parameters(params), "interleaved": interleaved},
+    )[0].tensor
+
+
+def flash_attention_ragged(
+    params: KVCacheParams,
+    input: TensorValue,
+    input_row_offsets: TensorValue,
+    kv_collection: ContinuousBatchingKVCacheCollection,
+    layer_idx: int | TensorValue,
+    mask_variant: MaskVariant = "causal",
+    scale: float | None = None,
+) -> TensorValue:
+    """Attention of each new token over its sequence's cached keys and values.
+
+    Token *t* of sequence *b* attends to positions ``0 .. cache_length[b] + t``
+    of ``layer_idx``'s cache (``"causal"``) or to all
+    ``cache_length[b] + new_tokens[b]`` of them (``"null"``).  Query heads
+    share key/value heads in groups of ``n_heads // n_kv_heads`` (GQA).
+
+    Args:
+        params: The cache parameters the collection was built with.
+        input: Q, ``[total_tokens, n_heads, head_dim]`` of ``params.dtype``.
+        input_row_offsets: uint32 ``[batch + 1]``.
+        kv_collection: The collection; this step's K/V must already be written.
+        layer_idx: The layer: a Python int or a uint32 scalar on the host.
+        mask_variant: ``"causal"`` (default) or ``"null"``.
+        scale: Score scale; default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[total_tokens, n_heads, head_dim]`` of ``params.dtype``.
+    """
+    _check_collection(params, kv_collection)
+    device = kv_collection.device
+    _check_tensor("input", input, params.dtype, 3)
+    offsets = _check_row_offsets(input_row_offsets, device)
+    _query_heads(params, "input", _static_dim("input", input, 1))
+    if _static_dim("input", input, 2) != params.head_dim:
+        raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {input.shape[2]}")
+    if input.device != device:
+        raise ValueError(f"input must be on {device}, got {input.device}")
+    if mask_variant not in _MASKS:
+        raise ValueError(f"mask_variant must be one of {_MASKS}, got {mask_variant!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(params.head_dim)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    return ops.inplace_custom(
+        "maxkv.flash_attention_ragged",
+        device=device,
+        values=[input, offsets, kv_collection, _layer_index(layer_idx)],
+        out_types=[TensorType(input.dtype, input.shape, device)],
+        parameters={**kernel_parameters(params), "mask_str": mask_variant, "scale": float(scale)},
+    )[0].tensor
+
+
+def rope_freqs_cis(
+    head_dim: int, max_positions: int, theta: float = 10000.0, dtype: type = np.float32
+) -> np.ndarray:
+    """The ``freqs_cis`` table :func:`fused_qk_ragged_rope` takes, in NumPy.
+
+    Row *p* is ``[cos(p θ_0), sin(p θ_0), cos(p θ_1), ...]`` with
+    ``θ_i = theta ** (-2i / head_dim)``: the Llama frequencies.  Shape
+    ``[max_positions, head_dim]``.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even int, got {head_dim}")
+    if max_positions <= 0:
+        raise ValueError(f"max_positions must be positive, got {max_positions}")
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    table = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(max_positions, head_dim)
+    return table.astype(dtype)

@@ -1,0 +1,104 @@
+"""Independent NumPy reference of a transformer attention layer over a KV cache.
+
+Written from the definitions (matmul, rotary embedding, softmax attention),
+not from maxkv's code: the tests compare maxkv's kernels against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+    """Rotary embedding of ``x`` ``[tokens, heads, head_dim]`` at ``positions`` ``[tokens]``."""
+    head_dim = x.shape[-1]
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [tokens, head_dim/2]
+    cos = np.cos(angles)[:, None, :]
+    sin = np.sin(angles)[:, None, :]
+    x = x.astype(np.float64)
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+    # Hugging Face Llama: x * cos + rotate_half(x) * sin, frequencies repeated twice.
+    cos2 = np.concatenate([cos, cos], axis=-1)
+    sin2 = np.concatenate([sin, sin], axis=-1)
+    half = head_dim // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos2 + rotated * sin2
+
+
+def attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, first_position: int, causal: bool, scale: float
+) -> np.ndarray:
+    """Softmax attention of ``q`` ``[new, H, D]`` over ``k, v`` ``[total, KVH, D]``.
+
+    Query token *t* sits at position ``first_position + t``.
+    """
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    group = n_heads // n_kv
+    out = np.zeros(q.shape, dtype=np.float64)
+    total = k.shape[0]
+    for t in range(q.shape[0]):
+        visible = first_position + t + 1 if causal else total
+        for h in range(n_heads):
+            keys = k[:visible, h // group].astype(np.float64)
+            values = v[:visible, h // group].astype(np.float64)
+            scores = keys @ q[t, h].astype(np.float64) * scale
+            weights = np.exp(scores - scores.max())
+            weights /= weights.sum()
+            out[t, h] = weights @ values
+    return out
+
+
+class ReferenceLayerCache:
+    """Per sequence and layer, the K (rotated) and V a correct cache holds."""
+
+    def __init__(self) -> None:
+        self.k: dict[tuple[int, int], np.ndarray] = {}
+        self.v: dict[tuple[int, int], np.ndarray] = {}
+
+    def length(self, seq: int, layer: int) -> int:
+        return 0 if (seq, layer) not in self.k else self.k[(seq, layer)].shape[0]
+
+    def step(
+        self,
+        layer: int,
+        seqs: list[int],
+        x: np.ndarray,
+        new_tokens: list[int],
+        wqkv: np.ndarray,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+        theta: float,
+        interleaved: bool,
+        causal: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One layer step over a ragged batch; returns (rotated Q, attention output)."""
+        qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T
+        q_all = qkv[:, : n_heads * head_dim].reshape(-1, n_heads, head_dim)
+        k_all = qkv[:, n_heads * head_dim : (n_heads + n_kv) * head_dim].reshape(-1, n_kv, head_dim)
+        v_all = qkv[:, (n_heads + n_kv) * head_dim :].reshape(-1, n_kv, head_dim)
+        q_out, attn_out = [], []
+        start = 0
+        for seq, count in zip(seqs, new_tokens, strict=True):
+            rows = slice(start, start + count)
+            start += count
+            past = self.length(seq, layer)
+            positions = np.arange(past, past + count)
+            q = rope(q_all[rows], positions, theta, interleaved)
+            k = rope(k_all[rows], positions, theta, interleaved)
+            key = (seq, layer)
+            self.k[key] = np.concatenate([self.k.get(key, np.zeros((0, n_kv, head_dim))), k])
+            self.v[key] = np.concatenate(
+                [self.v.get(key, np.zeros((0, n_kv, head_dim))), v_all[rows]]
+            )
+            q_out.append(q)
+            attn_out.append(
+                attention(q, self.k[key], self.v[key], past, causal, 1.0 / np.sqrt(head_dim))
+            )
+        return np.concatenate(q_out), np.concatenate(attn_out)
