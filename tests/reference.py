@@ -76,14 +76,17 @@ class ReferenceLayerCache:
         head_dim: int,
         theta: float,
         interleaved: bool,
-        causal: bool = True,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """One layer step over a ragged batch; returns (rotated Q, attention output)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One layer step over a ragged batch.
+
+        Returns the rotated Q, the causal attention output and the
+        attention output without a mask, each ``[total_tokens, n_heads, head_dim]``.
+        """
         qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T
         q_all = qkv[:, : n_heads * head_dim].reshape(-1, n_heads, head_dim)
         k_all = qkv[:, n_heads * head_dim : (n_heads + n_kv) * head_dim].reshape(-1, n_kv, head_dim)
         v_all = qkv[:, (n_heads + n_kv) * head_dim :].reshape(-1, n_kv, head_dim)
-        q_out, attn_out = [], []
+        q_out, causal_out, full_out = [], [], []
         start = 0
         for seq, count in zip(seqs, new_tokens, strict=True):
             rows = slice(start, start + count)
@@ -98,7 +101,7 @@ class ReferenceLayerCache:
                 [self.v.get(key, np.zeros((0, n_kv, head_dim))), v_all[rows]]
             )
             q_out.append(q)
-            attn_out.append(
-                attention(q, self.k[key], self.v[key], past, causal, 1.0 / np.sqrt(head_dim))
-            )
-        return np.concatenate(q_out), np.concatenate(attn_out)
+            scale = 1.0 / np.sqrt(head_dim)
+            causal_out.append(attention(q, self.k[key], self.v[key], past, True, scale))
+            full_out.append(attention(q, self.k[key], self.v[key], past, False, scale))
+        return np.concatenate(q_out), np.concatenate(causal_out), np.concatenate(full_out)
