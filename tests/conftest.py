@@ -6,6 +6,7 @@ session-scoped and keyed by the configuration that changes its code.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,16 @@ from maxkv import (
     FetchContinuousBatchingKVCacheCollection,
     KVCacheParams,
 )
+
+#: What the reliability tests exercised; printed in pytest's terminal summary.
+RELIABILITY_COUNTS: Counter[str] = Counter()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if RELIABILITY_COUNTS:
+        terminalreporter.section("maxkv reliability counts")
+        for name, count in sorted(RELIABILITY_COUNTS.items()):
+            terminalreporter.write_line(f"{name}: {count}")
 
 
 @pytest.fixture(scope="session")

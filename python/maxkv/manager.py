@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import types
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,13 @@ from .params import KVCacheParams
 KVCacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
 #: Per device: the TensorTypes of :data:`KVCacheInputs`.
 KVCacheInputSymbols = tuple[TensorType, TensorType, TensorType, TensorType]
+
+# The increment graph depends only on the session and the devices, so managers
+# that share them share one compiled model (compiling it takes seconds).
+_increment_models: weakref.WeakKeyDictionary[InferenceSession, dict[tuple[str, ...], Model]] = (
+    weakref.WeakKeyDictionary()
+)
+_increment_models_lock = threading.Lock()
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -463,23 +471,34 @@ class ContinuousBatchingKVCacheManager:
             )
 
     def _get_increment_model(self) -> Model:
-        """Compiles (once) ``cache_lengths + diff(input_row_offsets)`` for every device."""
+        """The compiled ``cache_lengths + diff(input_row_offsets)`` graph for these devices.
+
+        Built once per (session, devices) and shared by every manager using them.
+        """
         if self._increment_model is None:
-            first = DeviceRef.from_device(self.devices[0])
-            input_types = [TensorType(DType.uint32, ["input_row_offsets_len"], first)]
-            input_types += [
-                TensorType(DType.uint32, [BATCH_DIM], DeviceRef.from_device(d))
-                for d in self.devices
-            ]
-            with Graph("maxkv_increment_cache_lengths", input_types=input_types) as graph:
-                offsets = graph.inputs[0].tensor
-                new_tokens = ops.rebind(offsets[1:] - offsets[:-1], [BATCH_DIM])
-                outputs = []
-                for value, device in zip(graph.inputs[1:], self.devices, strict=True):
-                    lengths = value.tensor
-                    ref = DeviceRef.from_device(device)
-                    delta = new_tokens if ref == first else ops.transfer_to(new_tokens, ref)
-                    outputs.append(lengths + delta)
-                graph.output(*outputs)
-            self._increment_model = self.session.load(graph)
+            key = tuple(str(DeviceRef.from_device(d)) for d in self.devices)
+            with _increment_models_lock:
+                models = _increment_models.setdefault(self.session, {})
+                if key not in models:
+                    models[key] = self.session.load(_increment_graph(self.devices))
+                self._increment_model = models[key]
         return self._increment_model
+
+
+def _increment_graph(devices: Sequence[Device]) -> Graph:
+    """Graph: (input_row_offsets on devices[0], cache_lengths per device) -> new lengths."""
+    first = DeviceRef.from_device(devices[0])
+    input_types = [TensorType(DType.uint32, ["input_row_offsets_len"], first)]
+    input_types += [
+        TensorType(DType.uint32, [BATCH_DIM], DeviceRef.from_device(d)) for d in devices
+    ]
+    with Graph("maxkv_increment_cache_lengths", input_types=input_types) as graph:
+        offsets = graph.inputs[0].tensor
+        new_tokens = ops.rebind(offsets[1:] - offsets[:-1], [BATCH_DIM])
+        outputs = []
+        for value, device in zip(graph.inputs[1:], devices, strict=True):
+            ref = DeviceRef.from_device(device)
+            delta = new_tokens if ref == first else ops.transfer_to(new_tokens, ref)
+            outputs.append(value.tensor + delta)
+        graph.output(*outputs)
+    return graph
