@@ -355,6 +355,16 @@ class ContinuousBatchingKVCacheManager:
             )
         ]
 
+    def warm_up(self) -> None:
+        """Compiles the graph behind :meth:`increment_cache_lengths` now.
+
+        It is otherwise compiled on first use (seconds; shared by managers of
+        the same session and devices): call this before timing multistep
+        decoding.
+        """
+        with self._lock:
+            self._get_increment_model()
+
     def step(self, valid_lengths: Mapping[int, int]) -> None:
         """Protocol step 5: commits ``valid_lengths[seq_id]`` new tokens per sequence.
 
