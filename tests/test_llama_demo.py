@@ -93,18 +93,21 @@ def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: A minimal valid Llama config.json (1 layer, 2 query heads over 1 KV head of 8).
+SMALL_CONFIG: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
 def write_config(directory: Path, **overrides: object) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 32,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    }
-    config.update(overrides)
+    config = {**SMALL_CONFIG, **overrides}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
 
@@ -157,15 +160,7 @@ def test_bad_prompts_json_is_one_error_line(tmp_path: Path) -> None:
     ],
 )
 def test_unsupported_configs_are_refused(change: dict[str, object], message: str) -> None:
-    raw: dict[str, object] = {
-        "model_type": "llama",
-        "vocab_size": 32,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
-    raw.update(change)
+    raw = {**SMALL_CONFIG, **change}
     with pytest.raises(ModelLoadError, match=message):
         LlamaConfig.from_hf(raw)
 

@@ -141,6 +141,28 @@ def _query_heads(params: KVCacheParams, name: str, n_heads: int) -> int:
     return n_heads
 
 
+def _check_query(
+    params: KVCacheParams,
+    input: object,
+    input_row_offsets: object,
+    kv_collection: object,
+) -> tuple[DeviceRef, TensorValue]:
+    """Checks a ragged Q ``[total_tokens, n_heads, head_dim]`` and its offsets.
+
+    Returns the collection's device and the offsets.
+    """
+    collection = _check_collection(params, kv_collection)
+    device = collection.device
+    query = _check_tensor("input", input, params.dtype, 3)
+    offsets = _check_row_offsets(input_row_offsets, device)
+    _query_heads(params, "input", _static_dim("input", query, 1))
+    if _static_dim("input", query, 2) != params.head_dim:
+        raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {query.shape[2]}")
+    if query.device != device:
+        raise ValueError(f"input must be on {device}, got {query.device}")
+    return device, offsets
+
+
 def fused_qkv_ragged_matmul(
     params: KVCacheParams,
     input: TensorValue,
@@ -232,21 +254,14 @@ def fused_qk_ragged_rope(
     Returns:
         The rotated Q, same shape and dtype as ``input``.
     """
-    _check_collection(params, kv_collection)
-    device = kv_collection.device
-    _check_tensor("input", input, params.dtype, 3)
-    offsets = _check_row_offsets(input_row_offsets, device)
-    _query_heads(params, "input", _static_dim("input", input, 1))
-    if _static_dim("input", input, 2) != params.head_dim:
-        raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {input.shape[2]}")
+    device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
     _check_tensor("freqs_cis", freqs_cis, _ROPE_DTYPES, 2)
     if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
         raise ValueError(
             f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
         )
-    for name, value in (("input", input), ("freqs_cis", freqs_cis)):
-        if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
+    if freqs_cis.device != device:
+        raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
     return ops.inplace_custom(
@@ -286,15 +301,7 @@ def flash_attention_ragged(
     Returns:
         ``[total_tokens, n_heads, head_dim]`` of ``params.dtype``.
     """
-    _check_collection(params, kv_collection)
-    device = kv_collection.device
-    _check_tensor("input", input, params.dtype, 3)
-    offsets = _check_row_offsets(input_row_offsets, device)
-    _query_heads(params, "input", _static_dim("input", input, 1))
-    if _static_dim("input", input, 2) != params.head_dim:
-        raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {input.shape[2]}")
-    if input.device != device:
-        raise ValueError(f"input must be on {device}, got {input.device}")
+    device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
     if mask_variant not in _MASKS:
         raise ValueError(f"mask_variant must be one of {_MASKS}, got {mask_variant!r}")
     if scale is None:
