@@ -57,7 +57,9 @@ struct ContinuousBatchingKVCacheCollection[
     var blocks_shape: IndexList[6]
     var batch_size: Int
     var max_seq_length: UInt32
+    """Most new tokens of any sequence in this step."""
     var max_cache_length: UInt32
+    """Upper bound on any sequence's cache length + new tokens (MAX's meaning)."""
 
     def __init__(
         out self,
@@ -170,6 +172,11 @@ struct KVCollectionCtor:
             raise Error("maxkv: cache_lengths and lookup_table differ in length")
         if max_lengths.dim_size(0) < 1 or max_lengths.dim_size(1) != 2:
             raise Error("maxkv: max_lengths must have shape [num_steps >= 1, 2]")
+        # max_lengths row 0 is (max new tokens, max cache length before this
+        # step); MAX's kernels size attention by the longest *full* context, so
+        # the view gets their sum, an upper bound on every cache_length + new.
+        var max_new_tokens = UInt32(max_lengths[0, 0])
+        var max_cached = UInt32(max_lengths[0, 1])
         var shape = IndexList[6]()
         for i in range(6):
             shape[i] = blocks.dim_size(i)
@@ -181,8 +188,8 @@ struct KVCollectionCtor:
             lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             shape,
             cache_lengths.dim_size(0),
-            UInt32(max_lengths[0, 0]),
-            UInt32(max_lengths[0, 1]),
+            max_new_tokens,
+            max_new_tokens + max_cached,
         )
         comptime if is_cpu[target]():
             collection.check_bounds()

@@ -59,6 +59,15 @@ def query_buffers(data: DecodeData, device: Device) -> list[Buffer]:
     return [Buffer.from_numpy(data.q).to(device), Buffer.from_numpy(offsets).to(device)]
 
 
+def _copy_into(target: Buffer, array: np.ndarray, device: Device) -> None:
+    """Copies ``array`` into ``target`` and waits: the copy may run
+    asynchronously, and ``array`` must outlive it."""
+    source = Buffer.from_numpy(array)
+    target.inplace_copy_from(source)
+    device.synchronize()
+    del source
+
+
 def make_data(batch: int, context: int, shape: AttentionShape, seed: int = 0) -> DecodeData:
     rng = np.random.default_rng(seed)
     dims = (batch, context, shape.n_heads, shape.head_dim)
@@ -96,7 +105,7 @@ class MaxkvDecodeAttention:
         blocks[:batch, 0, 0, :context] = data.k
         blocks[:batch, 1, 0, :context] = data.v
         (inputs,) = self.manager.fetch(ids)
-        inputs[0].inplace_copy_from(Buffer.from_numpy(blocks).to(self.device))
+        _copy_into(inputs[0], blocks, self.device)
         self.manager.step({i: context - 1 for i in ids})  # the new token's K/V is in place
         (inputs,) = self.manager.fetch(ids)
         for i in ids:
@@ -190,7 +199,7 @@ class MaxPagedDecodeAttention:
                 n = rows.stop - rows.start
                 blocks[table[b, j], 0, 0, :n] = data.k[b, rows]
                 blocks[table[b, j], 1, 0, :n] = data.v[b, rows]
-        inputs.kv_blocks.inplace_copy_from(Buffer.from_numpy(blocks).to(self.device))
+        _copy_into(inputs.kv_blocks, blocks, self.device)
         flat, _ = tree.flatten((inputs,))
         return [*flat, *query_buffers(data, self.device)]
 
