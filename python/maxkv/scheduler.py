@@ -179,8 +179,7 @@ class ContinuousBatchingScheduler:
                 if request.remaining > 0 and request.output[-1] not in self.eos:
                     running.append(request)
                 else:
-                    assert request.seq_id is not None
-                    self.manager.release(request.seq_id)
+                    self.manager.release(_seq_id(request))
                     request.seq_id = None
             stats.elapsed_s = time.perf_counter() - start
             if on_round is not None:
@@ -200,9 +199,8 @@ class ContinuousBatchingScheduler:
         first_tokens = [r.prompt if r.pending is None else [r.pending] for r in batch]
         active = [len(t) for t in first_tokens]
         steps = min(self.num_steps, max(r.remaining for r in batch))
-        seq_ids = [r.seq_id for r in batch]
-        assert all(s is not None for s in seq_ids)
-        kv = self.manager.fetch(seq_ids, steps, active_lengths=active)  # type: ignore[arg-type]
+        seq_ids = [_seq_id(r) for r in batch]
+        kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
 
         device = self.model.device
         tokens = Buffer.from_numpy(np.concatenate(first_tokens).astype(np.int64)).to(device)
@@ -223,9 +221,7 @@ class ContinuousBatchingScheduler:
         generated = np.stack([o.to_numpy() for o in outputs], axis=1)
         stats.host_syncs += 1
         stats.rounds += 1
-        self.manager.step(
-            {r.seq_id: n + steps - 1 for r, n in zip(batch, active, strict=True)}  # type: ignore[misc]
-        )
+        self.manager.step({s: n + steps - 1 for s, n in zip(seq_ids, active, strict=True)})
         produced = 0
         for request, row in zip(batch, generated, strict=True):
             for token in row.tolist():
@@ -236,3 +232,9 @@ class ContinuousBatchingScheduler:
             request.pending = int(row[-1])
         stats.generated_tokens += produced
         return produced
+
+
+def _seq_id(request: Request) -> int:
+    if request.seq_id is None:
+        raise RuntimeError(f"request {request.index} holds no cache slot")
+    return request.seq_id
