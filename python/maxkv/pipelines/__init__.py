@@ -1,0 +1,43 @@
+"""maxkv inside MAX's pipelines: ``max generate`` and ``max serve`` on maxkv's cache.
+
+A MAX *custom architecture*: pass :data:`CUSTOM_ARCHITECTURES` to
+``--custom-architectures`` and Llama checkpoints (``LlamaForCausalLM``) run on
+maxkv's graph and continuous-batching cache inside MAX's own pipeline,
+tokenizer, sampler and schedulers::
+
+    MAXKV_ARCH=$(python -c "import maxkv.pipelines as p; print(p.CUSTOM_ARCHITECTURES)")
+    max generate --custom-architectures "$MAXKV_ARCH" --model-path DIR --devices cpu \\
+        --quantization-encoding float32 --max-length 512 --max-batch-size 4 --top-k 1 \\
+        --prompt "Hello" --max-new-tokens 16
+
+Tested with MAX 26.7 only (:data:`SUPPORTED_MAX`); importing this module
+under another MAX raises :class:`UnsupportedMaxVersionError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._compat import SUPPORTED_MAX, UnsupportedMaxVersionError, check_max_version
+
+check_max_version()
+
+from .architecture import ARCHITECTURES, MaxkvTextGenerationPipeline  # noqa: E402
+from .kv_adapter import MaxkvKVManager  # noqa: E402
+from .model import CacheDoesNotFitError, MaxkvLlamaPipelineModel  # noqa: E402
+
+#: The value of ``--custom-architectures`` for this installation of maxkv:
+#: ``<folder holding the maxkv package>:maxkv.pipelines``.
+CUSTOM_ARCHITECTURES = f"{Path(__file__).resolve().parents[2]}:maxkv.pipelines"
+
+__all__ = [
+    "ARCHITECTURES",
+    "CUSTOM_ARCHITECTURES",
+    "SUPPORTED_MAX",
+    "CacheDoesNotFitError",
+    "MaxkvKVManager",
+    "MaxkvLlamaPipelineModel",
+    "MaxkvTextGenerationPipeline",
+    "UnsupportedMaxVersionError",
+    "check_max_version",
+]

@@ -1,0 +1,74 @@
+"""The custom architecture MAX loads with ``--custom-architectures``.
+
+``LlamaForCausalLM`` checkpoints run on :class:`MaxkvLlamaPipelineModel`
+inside :class:`MaxkvTextGenerationPipeline`: MAX's own text-generation
+pipeline, tokenizer, sampler and schedulers, with maxkv's cache and graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from max.graph.weights import WeightsFormat
+from max.pipelines.architectures.llama3.model_config import Llama3Config
+from max.pipelines.context import TextContext
+from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
+from max.pipelines.lib import SupportedArchitecture, TextTokenizer
+from max.pipelines.lib.pipeline_variants import text_generation
+from max.pipelines.modeling.types import PipelineTask
+
+from .kv_adapter import MaxkvKVManager
+from .model import MaxkvLlamaPipelineModel
+
+
+@contextmanager
+def _replaced(module: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
+    """MAX's ``TextGenerationPipeline`` whose KV manager is maxkv's.
+
+    MAX 26.7's pipeline always builds a paged manager with
+    ``text_generation.load_kv_manager`` right after the model; while this
+    pipeline is constructed that name hands back a :class:`MaxkvKVManager`
+    over the model's maxkv manager instead (so no paged cache is allocated).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def load_maxkv_manager(**load_kwargs: Any) -> MaxkvKVManager:
+            model = self._pipeline_model
+            if not isinstance(model, MaxkvLlamaPipelineModel):
+                raise TypeError(f"expected a maxkv pipeline model, got {type(model).__name__}")
+            return MaxkvKVManager(model.maxkv_manager, load_kwargs["params"])
+
+        with _replaced(text_generation, "load_kv_manager", load_maxkv_manager):
+            super().__init__(*args, **kwargs)
+
+
+maxkv_llama_arch = SupportedArchitecture(
+    name="LlamaForCausalLM",
+    example_repo_ids=[],
+    default_encoding="float32",
+    supported_encodings={"float32"},
+    pipeline_model=MaxkvLlamaPipelineModel,
+    tokenizer=TextTokenizer,
+    context_type=TextContext,
+    default_weights_format=WeightsFormat.safetensors,
+    task=PipelineTask.TEXT_GENERATION,
+    config=Llama3Config,
+    memory_planner=PagedMemoryPlanner,
+    pipeline_cls=MaxkvTextGenerationPipeline,
+    supports_overlap_scheduler=False,
+    supports_device_graph_capture=False,
+)
+
+#: What ``--custom-architectures`` registers (overriding MAX's own Llama).
+ARCHITECTURES = [maxkv_llama_arch]
