@@ -92,6 +92,24 @@ struct ContinuousBatchingKVCacheCollection[
         """Tokens each cache slot can hold (the manager's `max_seq_len`)."""
         return self.blocks_shape[3]
 
+    @always_inline
+    def cache_length(self, batch_idx: Int) -> Int:
+        """Tokens already cached for batch entry `batch_idx` (host memory on CPU)."""
+        return Int(self.cache_lengths[unsafe_offset=batch_idx])
+
+    @always_inline
+    def row_ptr(
+        self, kv_idx: Int, layer: Int, batch_idx: Int, token: Int
+    ) -> UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]:
+        """The `[num_heads, head_dim]` row of token `token` of batch entry
+        `batch_idx` (0 keys, 1 values) in `layer`: contiguous memory.
+
+        No bounds checks: callers check `layer`, the slot and the token first.
+        """
+        var slot = Int(self.lookup_table[unsafe_offset=batch_idx])
+        var row = ((slot * 2 + kv_idx) * self.num_layers() + layer) * self.capacity() + token
+        return self.blocks.unsafe_offset(row * Self.num_heads * Self.head_dim)
+
     def view(self) -> Self.MaxCollection:
         """Rebuilds MAX's `ContinuousBatchingKVCacheCollection` over the same memory."""
         comptime blocks_layout = Layout.row_major[6]()

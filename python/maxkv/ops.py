@@ -334,3 +334,138 @@ def rope_freqs_cis(
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     table = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(max_positions, head_dim)
     return table.astype(dtype)
+
+
+def store_kv_ragged(
+    params: KVCacheParams,
+    qkv: TensorValue,
+    input_row_offsets: TensorValue,
+    kv_collection: ContinuousBatchingKVCacheCollection,
+    layer_idx: int | TensorValue,
+) -> TensorValue:
+    """Writes the K and V columns of a fused QKV projection into the cache; returns Q.
+
+    The cache-writing half of :func:`fused_qkv_ragged_matmul`, for graphs that
+    compute the projection themselves (e.g. with :func:`linear_packed`).
+    Token *t* of sequence *b* goes to position ``cache_length[b] + t`` of
+    ``layer_idx``, after the same bounds checks as every op (CPU only).
+
+    Args:
+        params: The cache parameters the collection was built with.
+        qkv: ``[total_tokens, (n_heads + 2 * n_kv_heads) * head_dim]`` of
+            ``params.dtype``: Q columns, then K, then V.
+        input_row_offsets: uint32 ``[batch + 1]``.
+        kv_collection: The collection.
+        layer_idx: The layer: a Python int or a uint32 scalar on the host.
+
+    Returns:
+        Q, ``[total_tokens, n_heads * head_dim]``.
+
+    Raises:
+        ValueError: On a wrong dtype, rank, width, head count or device.
+    """
+    _check_collection(params, kv_collection)
+    device = kv_collection.device
+    if device.device_type != DeviceKind.CPU:
+        raise ValueError("store_kv_ragged runs on CPU; use fused_qkv_ragged_matmul on GPU")
+    _check_tensor("qkv", qkv, params.dtype, 2)
+    offsets = _check_row_offsets(input_row_offsets, device)
+    width = _static_dim("qkv", qkv, 1)
+    kv_width = params.n_kv_heads_per_device * params.head_dim
+    q_width = width - 2 * kv_width
+    if q_width <= 0 or q_width % params.head_dim:
+        raise ValueError(
+            f"qkv has {width} columns; expected (n_heads + 2 * {params.n_kv_heads_per_device})"
+            f" * {params.head_dim}"
+        )
+    _query_heads(params, "qkv", q_width // params.head_dim)
+    if qkv.device != device:
+        raise ValueError(f"qkv must be on {device}, got {qkv.device}")
+    return ops.inplace_custom(
+        "maxkv.store_kv_ragged",
+        device=device,
+        values=[qkv, offsets, kv_collection, _layer_index(layer_idx)],
+        out_types=[TensorType(params.dtype, [qkv.shape[0], q_width], device)],
+        parameters=kernel_parameters(params),
+    )[0].tensor
+
+
+# ------------------------------------------------------------ packed matmul
+
+#: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
+PACKED_TILE = 64
+
+
+def pack_linear_weight(weight: np.ndarray) -> np.ndarray:
+    """Packs a float32 ``[N, K]`` weight for :func:`linear_packed`.
+
+    Returns ``[ceil(N / 64), K, 64]``: tile *t*, row *k* holds
+    ``weight[64 t : 64 t + 64, k]``, zero-padded past ``N``.
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+    n, k = w.shape
+    tiles = -(-n // PACKED_TILE)
+    padded = np.zeros((tiles * PACKED_TILE, k), np.float32)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(tiles, PACKED_TILE, k).transpose(0, 2, 1))
+
+
+def linear_packed(x: TensorValue, w_packed: TensorValue, out_features: int) -> TensorValue:
+    """``x @ w.T`` with ``w`` packed by :func:`pack_linear_weight` (CPU, float32).
+
+    Faster than MAX's CPU matmul at the few rows of a decode step, which
+    packs ``w`` again on every call; every weight is streamed once.
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU.
+        w_packed: float32 ``[ceil(out_features / 64), K, 64]`` on the CPU.
+        out_features: ``N``, the rows of the unpacked weight.
+
+    Returns:
+        float32 ``[M, out_features]``.
+    """
+    _check_tensor("x", x, DType.float32, 2)
+    _check_tensor("w_packed", w_packed, DType.float32, 3)
+    for name, value in (("x", x), ("w_packed", w_packed)):
+        if value.device.device_type != DeviceKind.CPU:
+            raise ValueError(f"linear_packed runs on CPU; {name} is on {value.device}")
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
+        raise ValueError(f"out_features must be a positive int, got {out_features!r}")
+    k = _static_dim("x", x, 1)
+    tiles, k_w, tile = (_static_dim("w_packed", w_packed, i) for i in range(3))
+    if tile != PACKED_TILE or k_w != k or tiles != -(-out_features // PACKED_TILE):
+        raise ValueError(
+            f"w_packed {list(w_packed.shape)} is not a packed [{out_features}, {k}] weight "
+            f"(expected [{-(-out_features // PACKED_TILE)}, {k}, {PACKED_TILE}])"
+        )
+    return ops.custom(
+        "maxkv.linear_packed",
+        device=x.device,
+        values=[x, w_packed],
+        out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],
+    )[0].tensor
+
+
+def swiglu(gate_up: TensorValue) -> TensorValue:
+    """``silu(gate) * up`` of a fused gate/up projection (CPU, float32).
+
+    Args:
+        gate_up: float32 ``[tokens, 2 * intermediate]``: gate columns, then up.
+
+    Returns:
+        float32 ``[tokens, intermediate]``.
+    """
+    _check_tensor("gate_up", gate_up, DType.float32, 2)
+    if gate_up.device.device_type != DeviceKind.CPU:
+        raise ValueError(f"swiglu runs on CPU; gate_up is on {gate_up.device}")
+    width = _static_dim("gate_up", gate_up, 1)
+    if width % 2:
+        raise ValueError(f"gate_up must have an even number of columns, got {width}")
+    return ops.custom(
+        "maxkv.swiglu",
+        device=gate_up.device,
+        values=[gate_up],
+        out_types=[TensorType(DType.float32, [gate_up.shape[0], width // 2], gate_up.device)],
+    )[0].tensor

@@ -100,6 +100,8 @@ class ContinuousBatchingScheduler:
             ``max_batch_size`` free slots.
         max_batch_size: Requests decoded together.
         num_steps: Model steps per ``fetch`` (multistep decoding).
+        stop_at_eos: Finish a request at the model's EOS token; ``False``
+            always generates ``max_new_tokens`` (for benchmarks).
     """
 
     def __init__(
@@ -108,6 +110,8 @@ class ContinuousBatchingScheduler:
         manager: ContinuousBatchingKVCacheManager,
         max_batch_size: int,
         num_steps: int = 1,
+        *,
+        stop_at_eos: bool = True,
     ) -> None:
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
@@ -122,7 +126,7 @@ class ContinuousBatchingScheduler:
         self.manager = manager
         self.max_batch_size = max_batch_size
         self.num_steps = num_steps
-        self.eos = set(model.config.eos_token_ids)
+        self.eos = set(model.config.eos_token_ids) if stop_at_eos else set()
         if num_steps > 1:
             manager.warm_up()  # plan once: keep the compile out of the decode loop
         self._waiting: deque[Request] = deque()

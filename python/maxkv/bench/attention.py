@@ -217,8 +217,13 @@ def bench_attention_decode(
     warmup: int,
     repeats: int,
     shape: AttentionShape | None = None,
+    read_bandwidth_gbps: float | None = None,
 ) -> list[dict[str, float | int]]:
-    """Median ms of one decode step per (batch, context), both sides, same data."""
+    """Median ms of one decode step per (batch, context), both sides, same data.
+
+    With ``read_bandwidth_gbps`` (measured in the same run), each row also
+    gives the fraction of it that each side's KV streaming reaches.
+    """
     shape = shape or AttentionShape(max_batch=max(batches), max_context=max(contexts))
     maxkv_side = MaxkvDecodeAttention(shape, device, session)
     paged_side = MaxPagedDecodeAttention(shape, device, session)
@@ -261,4 +266,11 @@ def bench_attention_decode(
                     "max_abs_difference": float(difference),
                 }
             )
+            if read_bandwidth_gbps:
+                rows[-1]["maxkv_fraction_of_read_bandwidth"] = round(
+                    kv_bytes / maxkv_ms / 1e6 / read_bandwidth_gbps, 3
+                )
+                rows[-1]["max_paged_fraction_of_read_bandwidth"] = round(
+                    kv_bytes / paged_ms / 1e6 / read_bandwidth_gbps, 3
+                )
     return rows

@@ -17,6 +17,7 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
+from max.graph.type import DeviceKind
 
 from .. import ops as kvops
 from ..graph import ContinuousBatchingKVCacheCollection, FetchContinuousBatchingKVCacheCollection
@@ -38,49 +39,81 @@ OutputKind = Literal["tokens", "logits"]
 OUTPUT_KINDS: tuple[str, ...] = ("tokens", "logits")
 
 
-def graph_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def graph_weights(
+    config: LlamaConfig, weights: Mapping[str, np.ndarray], *, packed: bool
+) -> dict[str, np.ndarray]:
     """The weights as :func:`build_llama_graph` names and lays them out.
 
     Per layer the Q, K and V projections are concatenated into one ``wqkv``
     ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` and the gate and up
     projections into one ``gate_up`` ``[2 * intermediate, hidden]``, so each
-    is one matmul; all are float32 ``[out, in]`` (``x @ w.T``).  The RoPE
-    table covers the model's whole context.
+    is one matmul.  With ``packed`` (CPU) every matrix, and the LM head, is
+    packed by :func:`maxkv.ops.pack_linear_weight` for
+    :func:`maxkv.ops.linear_packed`; otherwise they stay ``[out, in]``
+    (``x @ w.T``).  The RoPE table covers the model's whole context.
 
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
     """
     w = check_weights(config, weights)
-    out = {
+    out: dict[str, np.ndarray] = {
         "rope.freqs_cis": kvops.rope_freqs_cis(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         ),
         "embed_tokens": w["model.embed_tokens.weight"],
         "norm": w["model.norm.weight"],
     }
-    if not config.tie_word_embeddings:
-        out["lm_head"] = w["lm_head.weight"]
+    matrices: dict[str, np.ndarray] = {}
+    if packed or not config.tie_word_embeddings:
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        matrices["lm_head"] = w[head]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         out[f"layers.{i}.input_norm"] = w[p + "input_layernorm.weight"]
-        out[f"layers.{i}.wqkv"] = np.concatenate(
+        out[f"layers.{i}.post_norm"] = w[p + "post_attention_layernorm.weight"]
+        matrices[f"layers.{i}.wqkv"] = np.concatenate(
             [w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
         )
-        out[f"layers.{i}.wo"] = w[p + "self_attn.o_proj.weight"]
-        out[f"layers.{i}.post_norm"] = w[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.gate_up"] = np.concatenate(
+        matrices[f"layers.{i}.wo"] = w[p + "self_attn.o_proj.weight"]
+        matrices[f"layers.{i}.gate_up"] = np.concatenate(
             [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
         )
-        out[f"layers.{i}.down"] = w[p + "mlp.down_proj.weight"]
+        matrices[f"layers.{i}.down"] = w[p + "mlp.down_proj.weight"]
+    for name, matrix in matrices.items():
+        out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
     prepared = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in out.items()}
-    expected = graph_weight_shapes(config)
+    expected = graph_weight_shapes(config, packed=packed)
     assert {n: a.shape for n, a in prepared.items()} == expected, "graph weight layout drifted"
     return prepared
 
 
-def linear(x: TensorValue, w: TensorValue) -> TensorValue:
-    """``x @ w.T``: ``x`` ``[tokens, in]``, ``w`` ``[out, in]`` -> ``[tokens, out]``."""
-    return x @ w.T
+def graph_weight_shapes(config: LlamaConfig, *, packed: bool) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`)."""
+    c = config
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+
+    def matrix(out_features: int, in_features: int) -> tuple[int, ...]:
+        if packed:
+            return (-(-out_features // kvops.PACKED_TILE), in_features, kvops.PACKED_TILE)
+        return (out_features, in_features)
+
+    shapes: dict[str, tuple[int, ...]] = {
+        "rope.freqs_cis": (c.max_position_embeddings, c.head_dim),
+        "embed_tokens": (c.vocab_size, c.hidden_size),
+        "norm": (c.hidden_size,),
+    }
+    if packed or not c.tie_word_embeddings:
+        shapes["lm_head"] = matrix(c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        shapes |= {
+            f"layers.{i}.input_norm": (c.hidden_size,),
+            f"layers.{i}.post_norm": (c.hidden_size,),
+            f"layers.{i}.wqkv": matrix(qkv, c.hidden_size),
+            f"layers.{i}.wo": matrix(c.hidden_size, c.num_attention_heads * c.head_dim),
+            f"layers.{i}.gate_up": matrix(2 * c.intermediate_size, c.hidden_size),
+            f"layers.{i}.down": matrix(c.hidden_size, c.intermediate_size),
+        }
+    return shapes
 
 
 def build_llama_graph(
@@ -96,22 +129,32 @@ def build_llama_graph(
     Inputs: token ids int64 ``[total_tokens]``, ``input_row_offsets`` uint32
     ``[batch + 1]`` (both on ``device``), then ``cache_types`` (one device's
     cache inputs, turned into the collection by ``make_collection``).
-    Output: see :data:`OutputKind`.  Weights are graph weights named as
-    :func:`graph_weights` names them.
+    Output: see :data:`OutputKind`.  Weights are graph weights named and laid
+    out as :func:`graph_weights` does for ``device`` (packed on the CPU).
     """
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
     cfg = config
-    shapes = graph_weight_shapes(cfg)
+    packed = device.device_type == DeviceKind.CPU
+    shapes = graph_weight_shapes(cfg, packed=packed)
 
     def weight(name: str) -> Weight:
         return Weight(name, DType.float32, shapes[name], device)
+
+    def linear(x: TensorValue, name: str, out_features: int) -> TensorValue:
+        """``x @ w.T`` for the graph weight ``name`` (``[out_features, in]`` unpacked)."""
+        if packed:
+            return kvops.linear_packed(x, weight(name), out_features)
+        return x @ weight(name).T
 
     input_types = [
         TensorType(DType.int64, ["total_tokens"], device),
         TensorType(DType.uint32, ["input_row_offsets_len"], device),
         *cache_types,
     ]
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    qkv_width = q_width + 2 * cfg.num_key_value_heads * cfg.head_dim
+    inter, hidden = cfg.intermediate_size, cfg.hidden_size
     with Graph(
         f"maxkv_llama_{output}", input_types=input_types, custom_extensions=[kernels_path()]
     ) as g:
@@ -120,52 +163,38 @@ def build_llama_graph(
         freqs = weight("rope.freqs_cis")
         embed = weight("embed_tokens")
         h = ops.gather(embed, tokens, axis=0)
-        q_width = cfg.num_attention_heads * cfg.head_dim
-        inter = cfg.intermediate_size
         for i in range(cfg.num_hidden_layers):
             x = ops.rms_norm(h, weight(f"layers.{i}.input_norm"), epsilon=cfg.rms_norm_eps)
-            q = kvops.fused_qkv_ragged_matmul(params, x, offsets, weight(f"layers.{i}.wqkv"), kv, i)
+            if packed:
+                qkv = linear(x, f"layers.{i}.wqkv", qkv_width)
+                q = kvops.store_kv_ragged(params, qkv, offsets, kv, i)
+            else:
+                q = kvops.fused_qkv_ragged_matmul(
+                    params, x, offsets, weight(f"layers.{i}.wqkv"), kv, i
+                )
             q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
             q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
             attn = kvops.flash_attention_ragged(params, q, offsets, kv, i)
-            h = h + linear(attn.reshape(["total_tokens", q_width]), weight(f"layers.{i}.wo"))
+            h = h + linear(attn.reshape(["total_tokens", q_width]), f"layers.{i}.wo", hidden)
             x = ops.rms_norm(h, weight(f"layers.{i}.post_norm"), epsilon=cfg.rms_norm_eps)
-            gate_up = linear(x, weight(f"layers.{i}.gate_up"))
-            act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            h = h + linear(act, weight(f"layers.{i}.down"))
+            gate_up = linear(x, f"layers.{i}.gate_up", 2 * inter)
+            if packed:
+                act = kvops.swiglu(gate_up)
+            else:
+                act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = h + linear(act, f"layers.{i}.down", hidden)
         last = ops.rebind(offsets[1:] - 1, ["batch_size"])
         h_last = ops.gather(h, ops.cast(last, DType.int64), axis=0)
         h_last = ops.rms_norm(h_last, weight("norm"), epsilon=cfg.rms_norm_eps)
-        head = embed if cfg.tie_word_embeddings else weight("lm_head")
-        logits = linear(h_last, head)
+        if packed or not cfg.tie_word_embeddings:
+            logits = linear(h_last, "lm_head", cfg.vocab_size)
+        else:
+            logits = h_last @ embed.T
         if output == "tokens":
             g.output(ops.reshape(ops.argmax(logits, axis=-1), ["batch_size"]))
         else:
             g.output(logits)
     return g
-
-
-def graph_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`)."""
-    c = config
-    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "rope.freqs_cis": (c.max_position_embeddings, c.head_dim),
-        "embed_tokens": (c.vocab_size, c.hidden_size),
-        "norm": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
-        shapes |= {
-            f"layers.{i}.input_norm": (c.hidden_size,),
-            f"layers.{i}.wqkv": (qkv, c.hidden_size),
-            f"layers.{i}.wo": (c.hidden_size, c.num_attention_heads * c.head_dim),
-            f"layers.{i}.post_norm": (c.hidden_size,),
-            f"layers.{i}.gate_up": (2 * c.intermediate_size, c.hidden_size),
-            f"layers.{i}.down": (c.hidden_size, c.intermediate_size),
-        }
-    return shapes
 
 
 class LlamaModel:
@@ -202,13 +231,14 @@ class LlamaModel:
         self.params = params
         self.output: OutputKind = output
         self.device = manager.devices[0]
-        registry = graph_weights(config, weights)
+        device = DeviceRef.from_device(self.device)
+        registry = graph_weights(config, weights, packed=device.device_type == DeviceKind.CPU)
         graph = build_llama_graph(
             config,
             params,
             manager.input_symbols()[0],
             FetchContinuousBatchingKVCacheCollection(params),
-            DeviceRef.from_device(self.device),
+            device,
             output,
         )
         self._model: Model = session.load(graph, weights_registry=registry)
