@@ -36,6 +36,7 @@ SECTIONS = (
     "end_to_end_real",
     "profile",
     "matmul_dtypes",
+    "sequence_ops",
     "memory",
 )
 
@@ -119,6 +120,7 @@ def main() -> int:
         "end_to_end_real": lambda: _end_to_end_real(session, device, machine, quick),
         "profile": lambda: _profile(session, device, quick),
         "matmul_dtypes": lambda: _matmul_dtypes(session, device),
+        "sequence_ops": lambda: _sequence_ops(session, device, quick),
         "memory": lambda: memory_footprint([512, 2048, 8192]),
     }
     names = {
@@ -171,6 +173,13 @@ def _matmul_dtypes(session: InferenceSession, device: Device) -> Any:
     from maxkv.models.resolve import open_model
 
     return matmul_dtypes(session, device, open_model("smollm2-135m").config, [8, 32])
+
+
+def _sequence_ops(session: InferenceSession, device: Device, quick: bool) -> Any:
+    from maxkv.bench.sequence_ops import sequence_ops_bench
+    from maxkv.models.resolve import open_model
+
+    return sequence_ops_bench(session, device, open_model("smollm2-135m"), quick=quick)
 
 
 if __name__ == "__main__":

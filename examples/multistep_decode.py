@@ -89,6 +89,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-json", type=Path, help="write outputs, texts and the summary")
     parser.add_argument("--verify", action="store_true", help="check against references")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument(
+        "--system-prompt",
+        help="a system message shared by every text prompt (default: the chat template's own)",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="reuse cached prompt prefixes (e.g. a shared --system-prompt) across requests",
+    )
+    parser.add_argument(
+        "--n", type=int, default=1, help="sampled completions per prompt (forked after its prompt)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled completions")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature (default 0: greedy; 0.7 with --n > 1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -117,7 +135,7 @@ def load_prompts(path: Path | None) -> list[Prompt] | None:
     return prompts
 
 
-def encode(model: LoadedModel, prompts: list[Prompt]) -> list[list[int]]:
+def encode(model: LoadedModel, prompts: list[Prompt], system: str | None = None) -> list[list[int]]:
     """Token ids of each prompt: text through the chat template, id lists as they are."""
     encoded = []
     for i, prompt in enumerate(prompts):
@@ -128,7 +146,7 @@ def encode(model: LoadedModel, prompts: list[Prompt]) -> list[list[int]]:
                 f"prompt {i} is text, but model {model.spec} has no tokenizer: pass token-id lists"
             )
         else:
-            encoded.append(model.tokenizer.encode_chat(prompt))
+            encoded.append(model.tokenizer.encode_chat(prompt, system=system))
     return encoded
 
 
@@ -177,18 +195,50 @@ def verify(
     return failures
 
 
+def prefill_summary(
+    scheduler: ContinuousBatchingScheduler, manager: ContinuousBatchingKVCacheManager
+) -> dict[str, object]:
+    """Prefill time of the first request and of the later ones, and prefix-cache figures."""
+    requests = scheduler.requests()
+    times = [r.prefill_s for r in requests if r.prefill_s is not None]
+    summary: dict[str, object] = {}
+    if times:
+        summary["prefill_s_first_request"] = round(times[0], 4)
+    if len(times) > 1:
+        summary["prefill_s_later_requests_median"] = round(
+            float(sorted(times[1:])[len(times[1:]) // 2]), 4
+        )
+    if manager.prefix_caching:
+        stats = manager.prefix_cache_stats
+        summary["prefix_cache_lookups"] = stats.lookups
+        summary["prefix_cache_evictions"] = stats.evictions
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     try:
-        if min(args.max_new_tokens, args.max_batch_size, args.num_steps) < 1:
-            raise ValueError("--max-new-tokens, --max-batch-size and --num-steps must be >= 1")
+        if min(args.max_new_tokens, args.max_batch_size, args.num_steps, args.n) < 1:
+            raise ValueError("--max-new-tokens, --max-batch-size, --num-steps and --n must be >= 1")
+        if args.n > args.max_batch_size:
+            raise ValueError(
+                f"--n {args.n} completions do not fit --max-batch-size {args.max_batch_size}"
+            )
+        temperature = (
+            args.temperature if args.temperature is not None else (0.7 if args.n > 1 else 0.0)
+        )
+        if temperature < 0:
+            raise ValueError("--temperature must be >= 0")
+        sampling = temperature > 0 or args.n > 1
+        if args.verify and sampling:
+            raise ValueError("--verify checks greedy outputs; it cannot check sampled completions")
         prompts = load_prompts(args.prompts_json)
         device = pick_device(args.device)
         model = open_model(args.model)
         if prompts is None:
             prompts = list(DEFAULT_TOKEN_PROMPTS if model.tokenizer is None else DEFAULT_QUESTIONS)
-        token_prompts = encode(model, prompts)
+        token_prompts = encode(model, prompts, args.system_prompt)
         config = model.config
         needed = max(
             positions_needed(len(p), args.max_new_tokens, args.num_steps) for p in token_prompts
@@ -212,17 +262,25 @@ def main(argv: list[str] | None = None) -> int:
         config.num_hidden_layers,
         [device],
         session,
+        enable_prefix_caching=args.prefix_caching,
     )
     print(
         f"model: {model.description}\n{len(prompts)} prompts, batch {args.max_batch_size}, "
         f"num_steps {args.num_steps}; compiling (the first run takes a few minutes)...",
         flush=True,
     )
-    llama = LlamaModel(config, model.weights, manager, session)
+    output = "logits" if sampling else "tokens"
+    llama = LlamaModel(config, model.weights, manager, session, output=output)
     scheduler = ContinuousBatchingScheduler(llama, manager, args.max_batch_size, args.num_steps)
     try:
-        for prompt in token_prompts:
-            scheduler.submit(prompt, args.max_new_tokens)
+        for i, prompt in enumerate(token_prompts):
+            scheduler.submit(
+                prompt,
+                args.max_new_tokens,
+                temperature=temperature,
+                n=args.n,
+                seed=args.seed + 1000 * i,
+            )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -231,16 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     texts: list[str | None] = [None] * len(prompts)
     total = len(prompts) * args.max_new_tokens
     with tqdm(total=total, unit="tok", desc="decoding", file=sys.stderr) as bar:
+        requests = scheduler.requests()
 
         def completed(index: int, ids: list[int]) -> None:
             shown, texts[index] = show(model, prompts[index], ids)
-            answer = texts[index] if texts[index] is not None else ids
-            bar.write(f"[{index}] {shown}\n    -> {answer}", file=sys.stdout)
+            lines = [f"[{index}] {shown}"]
+            for completion in requests[index].completions:
+                _, text = show(model, prompts[index], completion.output)
+                lines.append(f"    -> {text if text is not None else completion.output}")
+            bar.write("\n".join(lines), file=sys.stdout)
 
         outputs, stats = scheduler.run(lambda _s, produced: bar.update(produced), completed)
         bar.update(total - bar.n)
 
     summary: dict[str, object] = {**stats.as_dict(), "load_and_compile_s": round(ready_s, 1)}
+    summary |= prefill_summary(scheduler, manager)
     print(
         f"summary: {summary['generated_tokens']} tokens in {summary['elapsed_s']} s "
         f"({summary['tokens_per_s']} tokens/s), {summary['model_steps']} model steps in "
@@ -248,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         f"host syncs per generated token {summary['host_syncs_per_token']}; load and compile "
         f"{summary['load_and_compile_s']} s"
     )
+    if "prefill_s_later_requests_median" in summary:
+        print(
+            f"prefill: first request {summary['prefill_s_first_request']} s, later requests "
+            f"{summary['prefill_s_later_requests_median']} s (median); prompt tokens "
+            f"{summary['prompt_tokens']}, of which found in the prefix cache "
+            f"{summary['prefix_cache_hit_tokens']}"
+        )
 
     failures = 0
     if args.verify:
@@ -259,7 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         summary["verified"] = failures == 0
 
     if args.output_json:
-        result = {"model": model.spec, "outputs": outputs, "texts": texts, "summary": summary}
+        result: dict[str, object] = {
+            "model": model.spec,
+            "outputs": outputs,
+            "texts": texts,
+            "summary": summary,
+        }
+        if args.n > 1:
+            result["completions"] = scheduler.completions()
         args.output_json.write_text(json.dumps(result, indent=2))
     return 1 if failures else 0
 

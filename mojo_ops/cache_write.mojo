@@ -2,8 +2,10 @@
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
+from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
+from max.runtime.asyncrt import parallelism_level
 
 from .checks import check_layer, check_rows
 from .collection import ContinuousBatchingKVCacheCollection
@@ -65,3 +67,62 @@ struct StoreKVRagged:
                 for j in range(kv_width):
                     k_dst[unsafe_offset=j] = row[unsafe_offset=q_width + j]
                     v_dst[unsafe_offset=j] = row[unsafe_offset=q_width + kv_width + j]
+
+
+@extensibility.register("maxkv.copy_prefix")
+struct CopyPrefix:
+    """Copies the first `length` tokens of batch entry 0 into batch entry 1, all layers.
+
+    The collection is built for two sequences, `[source, destination]`; both
+    keys and values of every layer are copied (tokens `0 .. length`), so the
+    destination's slot then holds the source's prefix.  `length` is a uint32
+    scalar on the host and must not exceed the source's cache length or the
+    slots' capacity.  Returns the number of tokens copied.
+    """
+
+    @staticmethod
+    def execute[
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim],
+        length: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.copy_prefix runs on CPU"
+        if kv.batch_size != 2:
+            raise Error("maxkv.copy_prefix: the collection must hold [source, destination]")
+        var n = Int(length.unsafe_ptr()[0])
+        if n > kv.cache_length(0) or n > kv.capacity():
+            raise Error(
+                "maxkv.copy_prefix: cannot copy ", n, " tokens from a sequence of ",
+                kv.cache_length(0), " (capacity ", kv.capacity(), ")",
+            )
+        if kv.lookup_table[unsafe_offset=0] == kv.lookup_table[unsafe_offset=1]:
+            raise Error("maxkv.copy_prefix: source and destination are the same slot")
+        output[0] = UInt32(n)
+        if n == 0:
+            return
+        var row = num_heads * head_dim
+        var jobs = 2 * kv.num_layers()
+        var workers = max(1, min(parallelism_level(None), jobs))
+
+        def work(worker: Int) {imm}:
+            for job in range(worker * jobs // workers, (worker + 1) * jobs // workers):
+                var kv_idx = job % 2
+                var layer = job // 2
+                var src = kv.row_ptr(kv_idx, layer, 0, 0)
+                var dst = kv.row_ptr(kv_idx, layer, 1, 0)
+                var count = n * row
+                var i = 0
+                while i + 16 <= count:
+                    dst.unsafe_store(i, src.unsafe_load[width=16](i))
+                    i += 16
+                while i < count:
+                    dst[unsafe_offset=i] = src[unsafe_offset=i]
+                    i += 1
+
+        sync_parallelize(work, workers)

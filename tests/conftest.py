@@ -23,6 +23,7 @@ from maxkv import (
     FetchContinuousBatchingKVCacheCollection,
     KVCacheParams,
 )
+from maxkv.models import LlamaModel
 from maxkv.models.resolve import LoadedModel
 
 #: What the reliability tests exercised; printed in pytest's terminal summary.
@@ -62,6 +63,36 @@ def smollm2(smollm2_gguf: Path) -> LoadedModel:
     return open_model(smollm2_gguf, progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> LlamaModel:
+    """SmolLM2 compiled once (greedy tokens out); its graph serves managers of any size."""
+    from maxkv.models.llama import cache_params
+
+    config = smollm2.config
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), 1, 16, config.num_hidden_layers, [CPU()], session
+    )
+    return LlamaModel(config, smollm2.weights, manager, session)
+
+
+def smollm2_manager(
+    smollm2: LoadedModel, session: InferenceSession, slots: int, max_seq_len: int, **kw: object
+) -> ContinuousBatchingKVCacheManager:
+    """A manager for SmolLM2's cache."""
+    from maxkv.models.llama import cache_params
+
+    config = smollm2.config
+    return ContinuousBatchingKVCacheManager(
+        cache_params(config),
+        slots,
+        max_seq_len,
+        config.num_hidden_layers,
+        [CPU()],
+        session,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def requires_transformers() -> None:
     """Skips the calling test where torch or transformers is missing."""
     pytest.importorskip("torch")
@@ -78,6 +109,8 @@ class CacheConfig:
     max_cache_batch_size: int = 4
     max_seq_len: int = 16
     num_layers: int = 2
+    enable_prefix_caching: bool = False
+    prefix_block_size: int = 16
 
     @property
     def params(self) -> KVCacheParams:
@@ -91,6 +124,8 @@ class CacheConfig:
             self.num_layers,
             [CPU()],
             session,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_block_size=self.prefix_block_size,
         )
 
 

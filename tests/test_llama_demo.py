@@ -209,3 +209,16 @@ def test_scheduler_rejects_requests_that_cannot_fit(session: InferenceSession) -
         scheduler.submit([1], 0)
     with pytest.raises(ValueError, match="exceeds the manager's 2 free slots"):
         ContinuousBatchingScheduler(fake, manager, 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--n", "0"), "must be >= 1"),
+        (("--n", "9", "--max-batch-size", "8"), "--n 9 completions do not fit"),
+        (("--n", "2", "--verify"), "cannot check sampled completions"),
+        (("--temperature", "-1"), "--temperature must be >= 0"),
+    ],
+)
+def test_bad_sampling_options_are_one_error_line(args: tuple[str, ...], message: str) -> None:
+    assert_one_error_line(run_demo("--model", "tiny", *args), message)

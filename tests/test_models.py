@@ -19,18 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from max.driver import CPU
 from max.engine import InferenceSession
 
-from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models import LlamaModel, ModelFetchError, ModelLoadError, fetch, load_llama
 from maxkv.models.fetch import KnownModel, cached_path
 from maxkv.models.gguf_file import unpermute_rope_rows
-from maxkv.models.llama import cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.scheduler import ContinuousBatchingScheduler
 
-from .conftest import requires_transformers
+from .conftest import requires_transformers, smollm2_manager
 from .gguf_helpers import TINY, dequantized, hf_weights, llama_cpp_permute, write_llama_gguf
 
 REQUIRED_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -201,7 +198,7 @@ REAL_PROMPTS = [
 
 @pytest.mark.compile
 def test_real_model_greedy_tokens_match_transformers(
-    smollm2: LoadedModel, session: InferenceSession
+    smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
 ) -> None:
     requires_transformers()
     from maxkv.models.hf import hf_from_pretrained, hf_generate
@@ -216,10 +213,8 @@ def test_real_model_greedy_tokens_match_transformers(
     assert smollm2.tokenizer.decode(expected[0]) == "The capital of France is Paris."
 
     batch = 3  # fewer slots than prompts: requests join and leave mid-flight
-    manager = ContinuousBatchingKVCacheManager(
-        cache_params(config), batch, 128, config.num_hidden_layers, [CPU()], session
-    )
-    model = LlamaModel(config, smollm2.weights, manager, session)
+    manager = smollm2_manager(smollm2, session, batch, 128)
+    model = smollm2_llama
     for num_steps in (1, 4):
         scheduler = ContinuousBatchingScheduler(model, manager, batch, num_steps)
         for prompt in prompts:

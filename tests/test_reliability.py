@@ -175,6 +175,37 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager.release(seq_id)
         del self.model.lengths[seq_id]
 
+    @rule(parent=st.integers(-1, CAPACITY), pos=st.one_of(st.none(), st.integers(-1, 13)))
+    def fork(self, parent: int, pos: int | None) -> None:
+        RELIABILITY_COUNTS["state machine: steps"] += 1
+        length = self.model.lengths.get(parent)
+        free = self.model.free()
+        fork_pos = length if pos is None else pos
+        if length is None or fork_pos is None or not 0 <= fork_pos <= length or not free:
+            self.rejected(self.manager.fork, parent, pos)
+            return
+        assert self.manager.fork(parent, pos) == free[0]  # the lowest free slot
+        self.model.lengths[free[0]] = fork_pos
+        RELIABILITY_COUNTS["state machine: forks"] += 1
+
+    @rule(data=st.data())
+    def pop_n(self, data: st.DataObject) -> None:
+        RELIABILITY_COUNTS["state machine: steps"] += 1
+        holding = sorted(i for i, n in self.model.lengths.items() if n)
+        if holding and data.draw(st.booleans(), label="well-formed"):
+            seq_id = data.draw(st.sampled_from(holding), label="seq_id")
+            n = data.draw(st.integers(1, self.model.lengths[seq_id]), label="n")
+        else:
+            seq_id = data.draw(st.integers(-1, CAPACITY), label="seq_id")
+            n = data.draw(st.integers(-1, 13), label="n")
+        length = self.model.lengths.get(seq_id)
+        if length is None or not 0 < n <= length:
+            self.rejected(self.manager.pop_n, seq_id, n)
+            return
+        self.manager.pop_n(seq_id, n)
+        self.model.lengths[seq_id] -= n
+        RELIABILITY_COUNTS["state machine: pop_n"] += 1
+
     @invariant()
     def matches_model(self) -> None:
         assert dict(self.manager.cache_lengths) == self.model.lengths
@@ -190,6 +221,171 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestManagerStateMachine = ManagerMachine.TestCase
+
+
+class PrefixModel:
+    """What a prefix-caching manager should hold, written from its contract.
+
+    Every slot keeps the token ids it was given (live or released) until it
+    is reused; released slots are reused least recently released first,
+    after slots holding nothing; a new prompt starts with the longest prefix
+    any slot holds (at most all but its last token).
+    """
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}  # slot -> tokens it holds (live or kept)
+        self.live: set[int] = set()
+        self.released: list[int] = []  # oldest release first
+
+    def free(self) -> list[int]:
+        return [i for i in range(CAPACITY) if i not in self.live]
+
+    def next_slots(self, n: int) -> list[int]:
+        fresh = [s for s in self.free() if not self.tokens.get(s)]
+        kept = [s for s in self.released if s not in self.live]
+        return (fresh + kept)[:n]
+
+    def take(self, slot: int, keep: int = 0) -> None:
+        self.tokens[slot] = self.tokens.get(slot, [])[:keep]
+        if slot in self.released:
+            self.released.remove(slot)
+        self.live.add(slot)
+
+    def best_prefix(self, prompt: list[int]) -> int:
+        best = 0
+        for held in self.tokens.values():
+            n = 0
+            while n < len(prompt) - 1 and n < len(held) and held[n] == prompt[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """claim_prefix, step with tokens, fork, pop_n and release on a prefix-caching manager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
+        self.manager = ContinuousBatchingKVCacheManager(
+            params,
+            CAPACITY,
+            MAX_SEQ_LEN,
+            1,
+            [CPU()],
+            shared_session(),
+            enable_prefix_caching=True,
+            prefix_block_size=2,
+        )
+        self.model = PrefixModel()
+        RELIABILITY_COUNTS["prefix machine: examples"] += 1
+
+    def rejected(self, call: object, *args: object) -> None:
+        before = (dict(self.manager.cache_lengths), self.manager.slots_remaining)
+        with pytest.raises(ValueError):
+            call(*args)  # type: ignore[operator]
+        assert (dict(self.manager.cache_lengths), self.manager.slots_remaining) == before
+        RELIABILITY_COUNTS["prefix machine: inputs rejected"] += 1
+
+    @rule(data=st.data())
+    def claim_prefix(self, data: st.DataObject) -> None:
+        held = [t for t in self.model.tokens.values() if t]
+        if held and data.draw(st.booleans(), label="reuse"):
+            base = data.draw(st.sampled_from(held), label="base")
+            keep = data.draw(st.integers(0, len(base)), label="keep")
+            tail = data.draw(st.lists(st.integers(0, 2), max_size=3), label="tail")
+            prompt = (base[:keep] + tail)[:MAX_SEQ_LEN]
+        else:
+            prompt = data.draw(st.lists(st.integers(0, 2), max_size=7), label="prompt")
+        if not prompt or not self.model.free():
+            self.rejected(self.manager.claim_prefix, prompt)
+            return
+        expected = self.model.best_prefix(prompt)
+        free_before = set(self.model.free())
+        seq_id, cached = self.manager.claim_prefix(prompt)
+        assert cached == expected and seq_id in free_before
+        self.model.take(seq_id, keep=0)
+        self.model.tokens[seq_id] = prompt[:cached]
+        RELIABILITY_COUNTS["prefix machine: hit tokens"] += cached
+        # As a scheduler does: the uncached rest of the prompt is computed and committed.
+        rest = prompt[cached:]
+        self.manager.step({seq_id: len(rest)}, tokens={seq_id: rest})
+        self.model.tokens[seq_id] = list(prompt)
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        if not self.model.live:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.model.live)))
+        room = MAX_SEQ_LEN - len(self.model.tokens[seq_id])
+        ids = data.draw(st.lists(st.integers(0, 2), max_size=min(room, 4)))
+        if data.draw(st.booleans(), label="miscounted"):
+            self.rejected(self.manager.step, {seq_id: len(ids) + 1}, {seq_id: ids})
+            return
+        self.manager.step({seq_id: len(ids)}, tokens={seq_id: ids})
+        self.model.tokens[seq_id] += ids
+
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        if not self.model.live or not self.model.free():
+            return
+        parent = data.draw(st.sampled_from(sorted(self.model.live)))
+        length = len(self.model.tokens[parent])
+        pos = data.draw(st.integers(0, length))
+        (child,) = self.model.next_slots(1)
+        assert self.manager.fork(parent, pos) == child
+        held = self.model.tokens[parent][:pos]
+        self.model.take(child)
+        self.model.tokens[child] = held
+        RELIABILITY_COUNTS["prefix machine: forks"] += 1
+
+    @rule(data=st.data())
+    def pop_n(self, data: st.DataObject) -> None:
+        live = [s for s in sorted(self.model.live) if self.model.tokens[s]]
+        if not live:
+            return
+        seq_id = data.draw(st.sampled_from(live))
+        n = data.draw(st.integers(1, len(self.model.tokens[seq_id])))
+        self.manager.pop_n(seq_id, n)
+        del self.model.tokens[seq_id][-n:]
+        RELIABILITY_COUNTS["prefix machine: pop_n"] += 1
+
+    @rule(n=st.integers(1, 2))
+    def claim(self, n: int) -> None:
+        if n > len(self.model.free()):
+            self.rejected(self.manager.claim, n)
+            return
+        expected = self.model.next_slots(n)
+        assert self.manager.claim(n) == expected
+        for slot in expected:
+            self.model.take(slot)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.model.live:
+            self.rejected(self.manager.release, 0)
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.model.live)))
+        self.manager.release(seq_id)
+        self.model.live.remove(seq_id)
+        if self.model.tokens[seq_id]:
+            self.model.released.append(seq_id)
+
+    @invariant()
+    def matches_model(self) -> None:
+        lengths = {s: len(self.model.tokens[s]) for s in self.model.live}
+        assert dict(self.manager.cache_lengths) == lengths
+        assert self.manager.slots_remaining == CAPACITY - len(self.model.live)
+        RELIABILITY_COUNTS["prefix machine: steps"] += 1
+
+
+PrefixMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPrefixStateMachine = PrefixMachine.TestCase
 
 
 def test_eight_threads_share_one_manager() -> None:

@@ -96,6 +96,10 @@ def print_summary(results: dict[str, Any]) -> None:
         print("\nmatmul by weight dtype (ms, median)")
         for r in results["matmul_dtypes"]:
             print(f"  {r}")
+    if "sequence_ops" in results:
+        ops_results = results["sequence_ops"]
+        print(f"\nprefix caching (sequential requests): {ops_results['prefix_caching']}")
+        print(f"fork: {ops_results['fork']}")
     if "memory" in results:
         print("\nmemory (mean live/reserved):")
         for m in results["memory"]:

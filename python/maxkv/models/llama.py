@@ -20,7 +20,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from max.graph.type import DeviceKind
 
 from .. import ops as kvops
-from ..graph import ContinuousBatchingKVCacheCollection, FetchContinuousBatchingKVCacheCollection
+from ..graph import ContinuousBatchingKVCacheCollection
 from ..kernels import kernels_path
 from ..manager import ContinuousBatchingKVCacheManager, KVCacheInputs
 from ..params import KVCacheParams
@@ -237,7 +237,7 @@ class LlamaModel:
             config,
             params,
             manager.input_symbols()[0],
-            FetchContinuousBatchingKVCacheCollection(params),
+            manager.collection_fetcher(),
             device,
             output,
         )

@@ -1,0 +1,142 @@
+"""Which tokens each cache slot holds, for prefix caching on the contiguous cache.
+
+Every slot's committed token ids are kept and hashed in blocks of
+``block_size`` tokens, vLLM's scheme: the hash of block *i* chains the hash
+of block *i - 1*, so equal hashes mean equal prefixes.  A slot's records stay
+after the sequence is released (its KV stays in the cache) until the slot is
+reused; released slots are reused least recently released first.
+
+:meth:`PrefixIndex.longest_prefix` finds, for a new prompt, the slot holding
+the longest prefix of it (live or released): whole blocks through the hash
+index, then token by token within that slot.  This module only keeps
+records; the manager moves the KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of a prefix cache."""
+
+    #: ``claim_prefix`` calls.
+    lookups: int = 0
+    #: Prompt tokens found in the cache (not recomputed).
+    hit_tokens: int = 0
+    #: Cached blocks dropped because their released slot was reused.
+    evictions: int = 0
+
+
+def _block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b",".join(str(t).encode() for t in tokens))
+    return digest.digest()
+
+
+class PrefixIndex:
+    """Token ids and chained block hashes per slot; an index from hash to slots."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.stats = PrefixCacheStats()
+        self._tokens: dict[int, list[int]] = {}
+        self._hashes: dict[int, list[bytes]] = {}
+        self._slots_by_hash: dict[bytes, set[int]] = {}
+        #: Released slots whose records (and KV) are kept, oldest release first.
+        self._released: OrderedDict[int, None] = OrderedDict()
+
+    def tokens(self, slot: int) -> list[int]:
+        """The token ids ``slot`` holds (a copy)."""
+        return list(self._tokens.get(slot, []))
+
+    def append(self, slot: int, tokens: list[int]) -> None:
+        """``slot``'s sequence committed ``tokens``."""
+        held = self._tokens.setdefault(slot, [])
+        held.extend(tokens)
+        hashes = self._hashes.setdefault(slot, [])
+        while (len(hashes) + 1) * self.block_size <= len(held):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            block = _block_hash(parent, held[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(block)
+            self._slots_by_hash.setdefault(block, set()).add(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """``slot`` now holds only its first ``length`` tokens."""
+        held = self._tokens.get(slot, [])
+        del held[length:]
+        hashes = self._hashes.get(slot, [])
+        while len(hashes) * self.block_size > length:
+            self._unindex(slot, hashes.pop())
+
+    def copy(self, source: int, destination: int, length: int) -> None:
+        """``destination`` (emptied first) now holds ``source``'s first ``length`` tokens."""
+        self.forget(destination)
+        self.append(destination, self._tokens.get(source, [])[:length])
+
+    def forget(self, slot: int) -> int:
+        """Drops ``slot``'s records; returns the blocks dropped."""
+        hashes = self._hashes.pop(slot, [])
+        for block in hashes:
+            self._unindex(slot, block)
+        self._tokens.pop(slot, None)
+        self._released.pop(slot, None)
+        return len(hashes)
+
+    def release(self, slot: int) -> None:
+        """``slot``'s sequence was released; its records stay until the slot is reused."""
+        if self._tokens.get(slot):
+            self._released[slot] = None
+            self._released.move_to_end(slot)
+
+    def reuse(self, slot: int) -> None:
+        """``slot`` is taken by a new sequence: its records are evicted."""
+        self.stats.evictions += self.forget(slot)
+
+    def keep(self, slot: int) -> None:
+        """``slot`` (released) is taken for the prefix it holds: no eviction."""
+        self._released.pop(slot, None)
+
+    def released_lru(self) -> list[int]:
+        """Released slots holding records, least recently released first."""
+        return list(self._released)
+
+    def longest_prefix(self, prompt: list[int], candidates: set[int]) -> tuple[int | None, int]:
+        """The slot among ``candidates`` holding the longest prefix of ``prompt``.
+
+        Returns ``(slot, tokens)``; ``(None, 0)`` when no slot shares a token.
+        """
+        best: tuple[int | None, int] = (None, 0)
+        alive = set(candidates)
+        parent = b""
+        blocks = 0
+        for i in range(len(prompt) // self.block_size):
+            block = _block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+            holders = self._slots_by_hash.get(block, set()) & alive
+            if not holders:
+                break
+            alive, parent, blocks = holders, block, i + 1
+        start = blocks * self.block_size
+        for slot in sorted(alive):  # extend token by token within a slot
+            held = self._tokens.get(slot, [])
+            if blocks == 0 and (not held or not prompt or held[0] != prompt[0]):
+                continue
+            n = start
+            while n < len(prompt) and n < len(held) and held[n] == prompt[n]:
+                n += 1
+            if n > best[1]:
+                best = (slot, n)
+        return best
+
+    def _unindex(self, slot: int, block: bytes) -> None:
+        holders = self._slots_by_hash.get(block)
+        if holders is not None:
+            holders.discard(slot)
+            if not holders:
+                del self._slots_by_hash[block]

@@ -1,0 +1,570 @@
+"""The step protocol of maxkv's KV cache managers, written once.
+
+Two managers follow it: :class:`~maxkv.ContinuousBatchingKVCacheManager`
+(one slot of ``max_seq_len`` tokens per sequence) and
+:class:`~maxkv.PagedKVCacheManager` (pages of ``page_size`` tokens, TVM's
+design).  A sequence id is an int in ``[0, max_batch_size)``.  In each round
+of model forwarding (TVM's ``PagedAttentionKVCacheObj`` steps 1 to 4):
+
+1. ``claim(n)`` / ``external_claim(ids)``: sequences get ids; lengths start at 0.
+2. ``fetch(seq_ids, num_steps, active_lengths=...)``: the appended lengths of
+   this round are set (TVM's ResetAppendLengths), room for the new tokens of
+   all ``num_steps`` steps is reserved up front (ReserveExtraLengthForAppend:
+   pages for the paged manager), and the per-device graph inputs are built
+   (SyncAuxArrayToDevice): a 4-tuple per device.
+3. The model graph runs: per layer it appends the new keys and values and
+   computes attention (TVM's step 4).  Between the ``num_steps`` steps,
+   ``increment_cache_lengths(inputs, prev_model_inputs)`` advances the
+   inputs on the device (no host round trip, no allocation).
+4. ``step({seq_id: new_tokens})`` commits the tokens written since ``fetch``;
+   ``release(seq_id)`` frees the sequence.
+
+Sequence operations happen between rounds: ``fork(parent, fork_pos)``
+starts a new sequence holding the parent's first ``fork_pos`` tokens;
+``pop_n(seq_id, n)`` drops a sequence's last ``n`` tokens.
+
+Every public method validates its input and raises ``ValueError`` before it
+changes any state or runs any kernel, and holds one re-entrant lock while it
+reads or changes the manager's state: the managers may be called from many
+threads.  :meth:`KVCacheManagerBase.increment_cache_lengths` only launches
+device work, so concurrent model steps are serialised on their launch only.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from .graph import BATCH_DIM
+from .params import KVCacheParams
+
+#: Per device: the four graph inputs :meth:`KVCacheManagerBase.fetch` returns.
+KVCacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
+#: Per device: the TensorTypes of :data:`KVCacheInputs`.
+KVCacheInputSymbols = tuple[TensorType, TensorType, TensorType, TensorType]
+
+_graphs: weakref.WeakKeyDictionary[InferenceSession, dict[tuple[Any, ...], Model]] = (
+    weakref.WeakKeyDictionary()
+)
+_graphs_lock = threading.Lock()
+
+
+def compiled_once(session: InferenceSession, key: tuple[Any, ...], build: Any) -> Model:
+    """``session.load(build())``, once per (session, key): shared by every manager."""
+    with _graphs_lock:
+        models = _graphs.setdefault(session, {})
+        if key not in models:
+            models[key] = session.load(build())
+        return models[key]
+
+
+def require_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int ``>= minimum``; ``ValueError`` otherwise (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class KVCacheManagerBase(ABC):
+    """What every maxkv manager shares: ids, lengths, validation, the lock,
+    the increment graph and the protocol's public methods.
+
+    Subclasses own the storage (slots or pages) through the ``_storage_*``
+    hooks, each called with the lock held and after validation.
+    """
+
+    #: What an id stands for, in messages ("slots", "sequences").
+    _id_noun = "sequences"
+    #: The constructor argument that sizes the id space, in messages.
+    _batch_arg = "max_batch_size"
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[Device],
+        session: InferenceSession,
+    ) -> None:
+        if not isinstance(params, KVCacheParams):
+            raise TypeError(f"params must be a KVCacheParams, got {type(params).__name__}")
+        validate_sizes(
+            params, max_batch_size, max_seq_len, num_layers, devices, batch_arg=self._batch_arg
+        )
+        self.params = params
+        self.max_batch_size = int(max_batch_size)
+        self.max_seq_len = int(max_seq_len)
+        self.num_layers = int(num_layers)
+        self.devices = list(devices)
+        self.session = session
+        self._lock = threading.RLock()
+        self._lengths: dict[int, int] = {}
+        self._increment_model: Model | None = None
+
+    # ------------------------------------------------------- storage hooks
+
+    @abstractmethod
+    def _free_ids(self) -> int:
+        """How many new sequences can be claimed now."""
+
+    @abstractmethod
+    def _storage_claim(self, n: int) -> list[int]:
+        """Takes ``n`` free ids (``n <= _free_ids()``)."""
+
+    @abstractmethod
+    def _storage_claim_ids(self, seq_ids: list[int]) -> None:
+        """Takes the given free ids."""
+
+    @abstractmethod
+    def _storage_release(self, seq_id: int) -> None:
+        """Frees a claimed id and its storage."""
+
+    @abstractmethod
+    def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
+        """Makes room for each sequence to hold ``totals`` tokens; raises
+        ``ValueError`` (changing nothing) when that is impossible."""
+
+    @abstractmethod
+    def _storage_inputs(
+        self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
+    ) -> list[KVCacheInputs]:
+        """The per-device graph inputs of ``seq_ids`` (after ``_storage_reserve``)."""
+
+    @abstractmethod
+    def _storage_truncate(self, seq_id: int, length: int) -> None:
+        """The sequence now holds ``length`` tokens (``pop_n``)."""
+
+    @abstractmethod
+    def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
+        """``child`` (claimed, empty) now holds ``parent``'s first ``fork_pos`` tokens."""
+
+    @abstractmethod
+    def input_symbols(self) -> list[KVCacheInputSymbols]:
+        """Graph input types of :meth:`fetch`'s 4-tuples, one tuple per device."""
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def cache_lengths(self) -> Mapping[int, int]:
+        """Committed tokens per claimed sequence id (a read-only snapshot)."""
+        with self._lock:
+            return types.MappingProxyType(dict(self._lengths))
+
+    def contains(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is currently claimed."""
+        with self._lock:
+            return seq_id in self._lengths
+
+    # ------------------------------------------------------------ protocol
+
+    def claim(self, n: int) -> list[int]:
+        """Protocol step 1: claims ``n`` new sequences and returns their ids.
+
+        Raises:
+            ValueError: If ``n`` is not a positive int or more sequences than
+                can be claimed now.
+        """
+        with self._lock:
+            count = require_int("n", n, 1)
+            free = self._free_ids()
+            if count > free:
+                raise ValueError(
+                    f"cannot claim {count} sequences: only {free} of {self.max_batch_size} "
+                    f"{self._id_noun} are free"
+                )
+            seq_ids = self._storage_claim(count)
+            for seq_id in seq_ids:
+                self._lengths[seq_id] = 0
+            return seq_ids
+
+    def external_claim(self, seq_ids: Sequence[int]) -> None:
+        """Protocol step 1, with ids chosen by the caller.
+
+        Raises:
+            ValueError: If ``seq_ids`` is empty, repeats an id, or names an
+                id out of range or already claimed.
+        """
+        with self._lock:
+            ids = self._validate_ids(seq_ids, must_be_claimed=False)
+            self._storage_claim_ids(ids)
+            for seq_id in ids:
+                self._lengths[seq_id] = 0
+
+    def fetch(
+        self,
+        seq_ids: Sequence[int],
+        num_steps: int = 1,
+        *,
+        active_lengths: Sequence[int] | Mapping[int, int] | None = None,
+    ) -> list[KVCacheInputs]:
+        """Protocol step 2: reserves room for ``num_steps`` steps and returns the graph inputs.
+
+        Args:
+            seq_ids: Claimed ids, in batch order.
+            num_steps: Model steps these inputs cover; steps after the first
+                are decode steps of one new token per sequence, reached with
+                :meth:`increment_cache_lengths`.
+            active_lengths: New tokens of each sequence in the first step,
+                in ``seq_ids`` order or as ``{seq_id: n}``: the prompt length
+                for context encoding.  Default: 1 per sequence (a decode step).
+
+        Returns:
+            Per device, a 4-tuple whose last element is the host uint32
+            ``[num_steps, 2]`` tensor ``max_lengths``: row *i* holds (max new
+            tokens, max cache length) of step *i*; row 0's max cache length
+            is 0 exactly when every cache is empty.
+
+        Raises:
+            ValueError: On an empty, repeated, unknown or released id, a
+                non-positive ``num_steps`` or active length, a sequence that
+                would pass ``max_seq_len`` within ``num_steps``, or (paged)
+                too few free pages.  Nothing is reserved then.
+        """
+        with self._lock:
+            ids = self._validate_ids(seq_ids, must_be_claimed=True)
+            steps = require_int("num_steps", num_steps, 1)
+            active = self._active_lengths(ids, active_lengths)
+            lengths = np.array([self._lengths[s] for s in ids], dtype=np.int64)
+            totals = []
+            for seq_id, length, new in zip(ids, lengths, active, strict=True):
+                needed = int(length) + int(new) + steps - 1
+                if needed > self.max_seq_len:
+                    raise ValueError(
+                        f"seq_id {seq_id} has {length} cached tokens; {new} new tokens and "
+                        f"{steps - 1} further steps need {needed} > max_seq_len "
+                        f"{self.max_seq_len}"
+                    )
+                totals.append(needed)
+            self._storage_reserve(ids, totals)
+            max_lengths = np.empty((steps, 2), dtype=np.uint32)
+            max_lengths[0] = (active.max(), lengths.max())
+            after_first = lengths + active
+            for i in range(1, steps):
+                max_lengths[i] = (1, after_first.max() + i - 1)
+            return self._storage_inputs(ids, lengths.astype(np.uint32), max_lengths)
+
+    def increment_cache_lengths(
+        self,
+        kv_cache_inputs: Sequence[KVCacheInputs],
+        prev_model_inputs: Any,
+    ) -> list[KVCacheInputs]:
+        """Protocol step 3 (between steps): the next step's inputs, advanced on the device.
+
+        ``cache_lengths`` (element 1) becomes ``cache_lengths +
+        diff(input_row_offsets)`` through a compiled graph (no host round
+        trip, no sync, no allocation); ``max_lengths`` becomes a view of its
+        next row onwards; the other inputs pass through.  The committed
+        lengths are not touched: call :meth:`step` for that.
+
+        Args:
+            kv_cache_inputs: This step's inputs, as :meth:`fetch` or an
+                earlier call returned them.
+            prev_model_inputs: The inputs of the step that just ran: a tuple
+                whose element 1 is ``input_row_offsets`` (uint32
+                ``[batch + 1]`` on the first device, as in MAX 24.x), or an
+                object with an ``input_row_offsets`` attribute.
+
+        Raises:
+            ValueError: If the inputs are not one 4-tuple per device, the row
+                offsets do not match the batch, or no further step was
+                fetched (``max_lengths`` has a single row).
+        """
+        if len(kv_cache_inputs) != len(self.devices):
+            raise ValueError(
+                f"expected one 4-tuple per device ({len(self.devices)}), got {len(kv_cache_inputs)}"
+            )
+        row_offsets = _row_offsets(prev_model_inputs)
+        if row_offsets.device != self.devices[0]:
+            raise ValueError(
+                f"input_row_offsets must be on the first device {self.devices[0]}, "
+                f"got {row_offsets.device}"
+            )
+        for i, inputs in enumerate(kv_cache_inputs):
+            if len(inputs) != 4:
+                raise ValueError(f"kv_cache_inputs[{i}] must be a 4-tuple, got {len(inputs)}")
+            _, lengths, _, max_lengths = inputs
+            if max_lengths.shape[0] < 2:
+                raise ValueError(
+                    "no further step was fetched: max_lengths has one row left; "
+                    "fetch(seq_ids, num_steps=N) covers N steps"
+                )
+            if row_offsets.shape[0] != lengths.shape[0] + 1:
+                raise ValueError(
+                    f"input_row_offsets has {row_offsets.shape[0]} entries, expected "
+                    f"batch + 1 = {lengths.shape[0] + 1}"
+                )
+        model = self._get_increment_model()
+        new_lengths = model.execute(row_offsets, *(inputs[1] for inputs in kv_cache_inputs))
+        return [
+            (storage, lengths, table, max_lengths[1:, :])
+            for (storage, _, table, max_lengths), lengths in zip(
+                kv_cache_inputs, new_lengths, strict=True
+            )
+        ]
+
+    def step(
+        self,
+        valid_lengths: Mapping[int, int],
+        tokens: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        """Protocol step 4: commits ``valid_lengths[seq_id]`` new tokens per sequence.
+
+        Args:
+            valid_lengths: ``{seq_id: new_tokens}``.
+            tokens: ``{seq_id: token ids}`` of those tokens, for managers that
+                record them (prefix caching); each list must hold exactly
+                ``valid_lengths[seq_id]`` ids.
+
+        Raises:
+            ValueError: If an id is not claimed, a count is negative, a
+                sequence would pass ``max_seq_len``, or token ids disagree
+                with the counts; nothing is committed then.
+        """
+        if not isinstance(valid_lengths, Mapping):
+            raise ValueError(
+                f"valid_lengths must be a mapping {{seq_id: new_tokens}}, got "
+                f"{type(valid_lengths).__name__}"
+            )
+        with self._lock:
+            self._validate_ids(list(valid_lengths), must_be_claimed=True, allow_empty=True)
+            counts = {}
+            for seq_id, new in valid_lengths.items():
+                count = require_int(f"valid_lengths[{seq_id}]", new, 0)
+                total = self._lengths[seq_id] + count
+                if total > self.max_seq_len:
+                    raise ValueError(
+                        f"seq_id {seq_id}: {self._lengths[seq_id]} cached + {count} new tokens "
+                        f"= {total} > max_seq_len {self.max_seq_len}"
+                    )
+                counts[seq_id] = count
+            token_lists = self._validate_tokens(counts, tokens)
+            for seq_id, count in counts.items():
+                self._lengths[seq_id] += count
+            self._on_commit(token_lists)
+
+    def release(self, seq_id: int) -> None:
+        """Protocol step 4: frees ``seq_id`` and its storage.
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed.
+        """
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            del self._lengths[seq]
+            self._storage_release(seq)
+
+    # ------------------------------------------------------- sequence ops
+
+    def fork(self, parent_seq_id: int, fork_pos: int | None = None) -> int:
+        """Between rounds: a new sequence holding ``parent``'s first ``fork_pos`` tokens.
+
+        Args:
+            parent_seq_id: A claimed sequence; it is not changed.
+            fork_pos: Tokens the child starts with; default: all the
+                parent's committed tokens.
+
+        Returns:
+            The child's id.
+
+        Raises:
+            ValueError: If the parent is not claimed, ``fork_pos`` is negative
+                or past the parent's length, or no sequence can be claimed.
+        """
+        with self._lock:
+            (parent,) = self._validate_ids([parent_seq_id], must_be_claimed=True)
+            length = self._lengths[parent]
+            pos = length if fork_pos is None else require_int("fork_pos", fork_pos, 0)
+            if pos > length:
+                raise ValueError(
+                    f"fork_pos {pos} is past seq_id {parent}'s {length} committed tokens"
+                )
+            if self._free_ids() == 0:
+                raise ValueError(f"cannot fork seq_id {parent}: no sequence can be claimed")
+            (child,) = self._storage_claim(1)
+            self._lengths[child] = 0
+            try:
+                self._storage_fork(parent, child, pos)
+            except BaseException:
+                del self._lengths[child]
+                self._storage_release(child)
+                raise
+            self._lengths[child] = pos
+            return child
+
+    def pop_n(self, seq_id: int, n: int) -> None:
+        """Between rounds: drops the last ``n`` committed tokens of ``seq_id``.
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed or not ``0 < n <= length``.
+        """
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            count = require_int("n", n, 1)
+            if count > self._lengths[seq]:
+                raise ValueError(
+                    f"cannot pop {count} tokens: seq_id {seq} holds {self._lengths[seq]}"
+                )
+            self._lengths[seq] -= count
+            self._storage_truncate(seq, self._lengths[seq])
+
+    def warm_up(self) -> None:
+        """Compiles the graphs the protocol runs (increment, copies) now, not on first use."""
+        self._get_increment_model()
+
+    # ----------------------------------------------------------- helpers
+
+    def _validate_tokens(
+        self, counts: Mapping[int, int], tokens: Mapping[int, Sequence[int]] | None
+    ) -> dict[int, list[int]]:
+        if tokens is None:
+            return {}
+        if not isinstance(tokens, Mapping):
+            raise ValueError(
+                f"tokens must be a mapping {{seq_id: ids}}, got {type(tokens).__name__}"
+            )
+        extra = [s for s in tokens if s not in counts]
+        if extra:
+            raise ValueError(f"tokens given for seq_ids {extra} that valid_lengths does not commit")
+        lists = {}
+        for seq_id, ids in tokens.items():
+            values = [require_int(f"tokens[{seq_id}]", t, 0) for t in ids]
+            if len(values) != counts[seq_id]:
+                raise ValueError(
+                    f"seq_id {seq_id}: {len(values)} token ids for {counts[seq_id]} "
+                    "committed tokens"
+                )
+            lists[seq_id] = values
+        return lists
+
+    def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
+        """Called after a commit with the validated token ids (default: ignored)."""
+        del tokens
+
+    def _validate_ids(
+        self, seq_ids: Sequence[int], *, must_be_claimed: bool, allow_empty: bool = False
+    ) -> list[int]:
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+            raise ValueError(f"seq_ids must be a sequence of ints, got {type(seq_ids).__name__}")
+        if not seq_ids and not allow_empty:
+            raise ValueError("seq_ids must not be empty")
+        ids = [require_int("seq_id", s, 0) for s in seq_ids]
+        seen: set[int] = set()
+        for seq_id in ids:
+            if seq_id in seen:
+                raise ValueError(f"seq_id {seq_id} appears more than once")
+            seen.add(seq_id)
+            if seq_id >= self.max_batch_size:
+                raise ValueError(f"seq_id {seq_id} is out of range [0, {self.max_batch_size})")
+            claimed = seq_id in self._lengths
+            if must_be_claimed and not claimed:
+                raise ValueError(f"seq_id {seq_id} is not claimed (unknown or released)")
+            if not must_be_claimed and claimed:
+                raise ValueError(f"seq_id {seq_id} is already claimed")
+        return ids
+
+    @staticmethod
+    def _active_lengths(
+        ids: list[int], active_lengths: Sequence[int] | Mapping[int, int] | None
+    ) -> np.ndarray:
+        if active_lengths is None:
+            return np.ones(len(ids), dtype=np.int64)
+        if isinstance(active_lengths, Mapping):
+            missing = [s for s in ids if s not in active_lengths]
+            extra = [s for s in active_lengths if s not in ids]
+            if missing or extra:
+                raise ValueError(
+                    f"active_lengths keys must be the fetched seq_ids; missing {missing}, "
+                    f"not fetched {extra}"
+                )
+            values = [active_lengths[s] for s in ids]
+        else:
+            values = list(active_lengths)
+            if len(values) != len(ids):
+                raise ValueError(f"active_lengths has {len(values)} entries for {len(ids)} seq_ids")
+        return np.array(
+            [require_int(f"active_lengths[{s}]", v, 1) for s, v in zip(ids, values, strict=True)],
+            dtype=np.int64,
+        )
+
+    def _get_increment_model(self) -> Model:
+        if self._increment_model is None:
+            key = ("increment", *(str(DeviceRef.from_device(d)) for d in self.devices))
+            self._increment_model = compiled_once(
+                self.session, key, lambda: _increment_graph(self.devices)
+            )
+        return self._increment_model
+
+
+def validate_sizes(
+    params: KVCacheParams,
+    max_batch_size: int,
+    max_seq_len: int,
+    num_layers: int,
+    devices: Sequence[Device],
+    *,
+    batch_arg: str = "max_batch_size",
+) -> None:
+    """The size checks every manager (and ``estimated_memory_size``) runs."""
+    require_int(batch_arg, max_batch_size, 1)
+    require_int("max_seq_len", max_seq_len, 1)
+    require_int("num_layers", num_layers, 1)
+    if len(devices) != params.n_devices:
+        raise ValueError(
+            f"params.n_devices is {params.n_devices} but {len(devices)} devices were given"
+        )
+    if max_seq_len >= 2**32:
+        raise ValueError(f"max_seq_len must fit in uint32, got {max_seq_len}")
+
+
+def _row_offsets(prev_model_inputs: Any) -> Buffer:
+    if hasattr(prev_model_inputs, "input_row_offsets"):
+        offsets = prev_model_inputs.input_row_offsets
+    elif isinstance(prev_model_inputs, (tuple, list)) and len(prev_model_inputs) > 1:
+        offsets = prev_model_inputs[1]
+    else:
+        raise ValueError(
+            "prev_model_inputs must be a tuple whose element 1 is input_row_offsets "
+            "or have an input_row_offsets attribute"
+        )
+    if not isinstance(offsets, Buffer):
+        raise ValueError(
+            f"input_row_offsets must be a max.driver.Buffer, got {type(offsets).__name__}"
+        )
+    if offsets.dtype != DType.uint32 or offsets.rank != 1:
+        raise ValueError(
+            f"input_row_offsets must be uint32 of rank 1, got {offsets.dtype} "
+            f"of rank {offsets.rank}"
+        )
+    return offsets
+
+
+def _increment_graph(devices: Sequence[Device]) -> Graph:
+    """Graph: (input_row_offsets on devices[0], cache_lengths per device) -> new lengths."""
+    first = DeviceRef.from_device(devices[0])
+    input_types = [TensorType(DType.uint32, ["input_row_offsets_len"], first)]
+    input_types += [
+        TensorType(DType.uint32, [BATCH_DIM], DeviceRef.from_device(d)) for d in devices
+    ]
+    with Graph("maxkv_increment_cache_lengths", input_types=input_types) as graph:
+        offsets = graph.inputs[0].tensor
+        new_tokens = ops.rebind(offsets[1:] - offsets[:-1], [BATCH_DIM])
+        outputs = []
+        for value, device in zip(graph.inputs[1:], devices, strict=True):
+            ref = DeviceRef.from_device(device)
+            delta = new_tokens if ref == first else ops.transfer_to(new_tokens, ref)
+            outputs.append(value.tensor + delta)
+        graph.output(*outputs)
+    return graph
