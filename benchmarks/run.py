@@ -37,6 +37,7 @@ SECTIONS = (
     "profile",
     "matmul_dtypes",
     "sequence_ops",
+    "paged",
     "memory",
 )
 
@@ -121,6 +122,7 @@ def main() -> int:
         "profile": lambda: _profile(session, device, quick),
         "matmul_dtypes": lambda: _matmul_dtypes(session, device),
         "sequence_ops": lambda: _sequence_ops(session, device, quick),
+        "paged": lambda: _paged(session, device, quick),
         "memory": lambda: memory_footprint([512, 2048, 8192]),
     }
     names = {
@@ -180,6 +182,13 @@ def _sequence_ops(session: InferenceSession, device: Device, quick: bool) -> Any
     from maxkv.models.resolve import open_model
 
     return sequence_ops_bench(session, device, open_model("smollm2-135m"), quick=quick)
+
+
+def _paged(session: InferenceSession, device: Device, quick: bool) -> Any:
+    from maxkv.bench.paged import paged_bench
+    from maxkv.models.resolve import open_model
+
+    return paged_bench(session, device, open_model("smollm2-135m"), quick=quick)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,13 @@ from max.driver import CPU, Accelerator, Device, accelerator_count
 from max.engine import InferenceSession
 from tqdm import tqdm
 
-from maxkv import ContinuousBatchingKVCacheManager
+from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from maxkv.models import KNOWN_MODELS, LlamaModel, ModelFetchError, ModelLoadError
 from maxkv.models.hf import hf_from_pretrained, hf_generate, hf_llama, transformers_available
 from maxkv.models.llama import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.models.resolve import DEFAULT_MODEL, TINY, LoadedModel, open_model
+from maxkv.protocol import KVCacheManagerBase
 from maxkv.scheduler import ContinuousBatchingScheduler, positions_needed
 
 #: Short, varied questions SmolLM2-135M-Instruct answers sensibly.
@@ -97,6 +98,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefix-caching",
         action="store_true",
         help="reuse cached prompt prefixes (e.g. a shared --system-prompt) across requests",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=["contiguous", "paged"],
+        default="contiguous",
+        help="contiguous: one max-length slot per sequence; paged: pages (TVM's design)",
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (--cache paged)")
+    parser.add_argument(
+        "--num-pages",
+        type=int,
+        help="pages in the cache (--cache paged; default: enough for a full batch of the "
+        "longest request); requests wait for pages when they run out",
     )
     parser.add_argument(
         "--n", type=int, default=1, help="sampled completions per prompt (forked after its prompt)"
@@ -196,7 +210,7 @@ def verify(
 
 
 def prefill_summary(
-    scheduler: ContinuousBatchingScheduler, manager: ContinuousBatchingKVCacheManager
+    scheduler: ContinuousBatchingScheduler, manager: KVCacheManagerBase
 ) -> dict[str, object]:
     """Prefill time of the first request and of the later ones, and prefix-cache figures."""
     requests = scheduler.requests()
@@ -208,7 +222,13 @@ def prefill_summary(
         summary["prefill_s_later_requests_median"] = round(
             float(sorted(times[1:])[len(times[1:]) // 2]), 4
         )
-    if manager.prefix_caching:
+    if isinstance(manager, PagedKVCacheManager):
+        summary |= {
+            "cache": "paged",
+            "page_size": manager.page_size,
+            "num_pages": manager.num_pages,
+        }
+    if isinstance(manager, ContinuousBatchingKVCacheManager) and manager.prefix_caching:
         stats = manager.prefix_cache_stats
         summary["prefix_cache_lookups"] = stats.lookups
         summary["prefix_cache_evictions"] = stats.evictions
@@ -231,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         if temperature < 0:
             raise ValueError("--temperature must be >= 0")
         sampling = temperature > 0 or args.n > 1
+        if args.cache == "paged" and args.prefix_caching:
+            raise ValueError("--prefix-caching runs on the contiguous cache, not --cache paged")
+        if args.page_size < 1 or (args.num_pages is not None and args.num_pages < 1):
+            raise ValueError("--page-size and --num-pages must be >= 1")
         if args.verify and sampling:
             raise ValueError("--verify checks greedy outputs; it cannot check sampled completions")
         prompts = load_prompts(args.prompts_json)
@@ -255,15 +279,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     session = InferenceSession(devices=[device])
-    manager = ContinuousBatchingKVCacheManager(
-        cache_params(config),
-        args.max_batch_size,
-        needed,
-        config.num_hidden_layers,
-        [device],
-        session,
-        enable_prefix_caching=args.prefix_caching,
-    )
+    manager: KVCacheManagerBase
+    if args.cache == "paged":
+        num_pages = args.num_pages or args.max_batch_size * -(-needed // args.page_size)
+        manager = PagedKVCacheManager(
+            cache_params(config),
+            args.page_size,
+            num_pages,
+            args.max_batch_size,
+            needed,
+            config.num_hidden_layers,
+            [device],
+            session,
+        )
+    else:
+        manager = ContinuousBatchingKVCacheManager(
+            cache_params(config),
+            args.max_batch_size,
+            needed,
+            config.num_hidden_layers,
+            [device],
+            session,
+            enable_prefix_caching=args.prefix_caching,
+        )
     print(
         f"model: {model.description}\n{len(prompts)} prompts, batch {args.max_batch_size}, "
         f"num_steps {args.num_steps}; compiling (the first run takes a few minutes)...",

@@ -1,8 +1,11 @@
-"""Attention-layer ops over the collection: fused QKV matmul, RoPE, flash attention.
+"""Attention-layer ops over either collection: fused QKV matmul, RoPE, flash attention.
 
 Each op wraps MAX's own kernel (`nn.kv_cache_ragged`, `nn.fused_qk_rope`),
-which are generic over any `KVCollectionT`: the collection's `view()` is MAX's
-`ContinuousBatchingKVCacheCollection`, so the kernels run unchanged.
+which are generic over any `KVCollectionT`: a collection's `view()` is MAX's
+`ContinuousBatchingKVCacheCollection` or `PagedKVCacheCollection`, so the
+kernels run unchanged.  Each body is written once, generic over
+`MaxkvKVCollection`; `maxkv.<op>` registers it for the contiguous collection
+and `maxkv.paged.<op>` for the paged one.
 
 Inputs are ragged: `input_row_offsets` uint32 `[batch + 1]` gives where each
 sequence's tokens start in the flattened `[total_tokens, ...]` tensors, in
@@ -12,7 +15,6 @@ the batch order of the collection.  `layer_idx` is a uint32 scalar on the host.
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from max.gpu.host.info import is_cpu
 from nn.kv_cache_ragged import (
     _fused_qkv_matmul_kv_cache_ragged,
     generic_flash_attention_kv_cache_ragged,
@@ -22,11 +24,109 @@ from nn.fused_qk_rope import fused_qk_rope_ragged
 
 from .checks import check_layer, check_rows
 from .collection import ContinuousBatchingKVCacheCollection
+from .kv_trait import MaxkvKVCollection
+from .paged_collection import PagedKVCacheCollection
+
+
+# ------------------------------------------------------------------ bodies
+
+
+def fused_qkv_matmul[
+    C: MaxkvKVCollection, dtype: DType, target: StaticString
+](
+    output: OutputTensor[dtype=dtype, rank=2, ...],
+    input: InputTensor[dtype=dtype, rank=2, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    wqkv: InputTensor[dtype=dtype, rank=2, ...],
+    kv: C,
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    """`output` = Q of `input @ wqkv.T`; K and V are written into the cache of `layer_idx`."""
+    var layer = check_layer(kv, layer_idx)
+    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    var view = kv.view()
+    _fused_qkv_matmul_kv_cache_ragged[C.View.CacheType, target=target](
+        input.to_tile_tensor(),
+        input_row_offsets.to_tile_tensor(),
+        wqkv.to_tile_tensor(),
+        view,
+        layer,
+        output.to_tile_tensor(),
+        ctx,
+    )
+
+
+def fused_qk_rope[
+    C: MaxkvKVCollection,
+    dtype: DType,
+    freq_dtype: DType,
+    interleaved: Bool,
+    target: StaticString,
+](
+    output: OutputTensor[dtype=dtype, rank=3, ...],
+    input: InputTensor[dtype=dtype, rank=3, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    freqs_cis: InputTensor[dtype=freq_dtype, rank=2, ...],
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    """Rotary embedding on Q (returned) and, in place, on the K just written."""
+    var layer = check_layer(kv, layer_idx)
+    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    var view = kv.view()
+    fused_qk_rope_ragged[C.View.CacheType, interleaved=interleaved, target=target](
+        input.to_tile_tensor(),
+        input_row_offsets.to_tile_tensor(),
+        view,
+        freqs_cis.to_tile_tensor(),
+        None,
+        layer,
+        output.to_tile_tensor(),
+        ctx,
+    )
+
+
+def flash_attention[
+    C: MaxkvKVCollection,
+    dtype: DType,
+    mask_str: StaticString,
+    scale: Float32,
+    target: StaticString,
+](
+    output: OutputTensor[dtype=dtype, rank=3, ...],
+    input: InputTensor[dtype=dtype, rank=3, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA)."""
+    var layer = check_layer(kv, layer_idx)
+    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    var view = kv.view()
+    var metadata = MHADecodeDispatchMetadata(
+        kv.batch(), Int(kv.max_new_tokens()), 0, Int(kv.max_context_length())
+    )
+    generic_flash_attention_kv_cache_ragged[target=target, mask_str=mask_str](
+        input.to_tile_tensor(),
+        input_row_offsets.to_tile_tensor(),
+        view,
+        layer,
+        scale,
+        output.to_tile_tensor(),
+        ctx,
+        metadata,
+    )
+
+
+# ----------------------------------------------------- contiguous collection
 
 
 @extensibility.register("maxkv.fused_qkv_ragged_matmul")
 struct FusedQKVRaggedMatmul:
-    """`output` = Q of `input @ wqkv.T`; K and V are written into the cache of `layer_idx`."""
+    """See `fused_qkv_matmul`."""
 
     @staticmethod
     def execute[
@@ -44,23 +144,14 @@ struct FusedQKVRaggedMatmul:
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var layer = check_layer(kv, layer_idx)
-        check_rows[target](kv, input_row_offsets, input.dim_size(0))
-        var view = kv.view()
-        _fused_qkv_matmul_kv_cache_ragged[view.CacheType, target=target](
-            input.to_tile_tensor(),
-            input_row_offsets.to_tile_tensor(),
-            wqkv.to_tile_tensor(),
-            view,
-            layer,
-            output.to_tile_tensor(),
-            ctx,
+        fused_qkv_matmul[target=target](
+            output, input, input_row_offsets, wqkv, kv, layer_idx, ctx
         )
 
 
 @extensibility.register("maxkv.fused_qk_ragged_rope")
 struct FusedQKRaggedRope:
-    """Rotary embedding on Q (returned) and, in place, on the K just written."""
+    """See `fused_qk_rope`."""
 
     @staticmethod
     def execute[
@@ -80,27 +171,14 @@ struct FusedQKRaggedRope:
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var layer = check_layer(kv, layer_idx)
-        check_rows[target](kv, input_row_offsets, input.dim_size(0))
-        var view = kv.view()
-        fused_qk_rope_ragged[view.CacheType, interleaved=interleaved, target=target](
-            input.to_tile_tensor(),
-            input_row_offsets.to_tile_tensor(),
-            view,
-            freqs_cis.to_tile_tensor(),
-            None,
-            layer,
-            output.to_tile_tensor(),
-            ctx,
+        fused_qk_rope[interleaved=interleaved, target=target](
+            output, input, input_row_offsets, kv, freqs_cis, layer_idx, ctx
         )
 
 
 @extensibility.register("maxkv.flash_attention_ragged")
 struct FlashAttentionRagged:
-    """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA).
-
-    `mask_str` is "causal" or "null"; `scale` multiplies the scores.
-    """
+    """See `flash_attention`; `mask_str` is "causal" or "null"."""
 
     @staticmethod
     def execute[
@@ -119,19 +197,90 @@ struct FlashAttentionRagged:
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var layer = check_layer(kv, layer_idx)
-        check_rows[target](kv, input_row_offsets, input.dim_size(0))
-        var view = kv.view()
-        var metadata = MHADecodeDispatchMetadata(
-            kv.batch_size, Int(kv.max_seq_length), 0, Int(kv.max_cache_length)
+        flash_attention[mask_str=mask_str, scale=scale, target=target](
+            output, input, input_row_offsets, kv, layer_idx, ctx
         )
-        generic_flash_attention_kv_cache_ragged[target=target, mask_str=mask_str](
-            input.to_tile_tensor(),
-            input_row_offsets.to_tile_tensor(),
-            view,
-            layer,
-            scale,
-            output.to_tile_tensor(),
-            ctx,
-            metadata,
+
+
+# ---------------------------------------------------------- paged collection
+
+
+@extensibility.register("maxkv.paged.fused_qkv_ragged_matmul")
+struct PagedFusedQKVRaggedMatmul:
+    """See `fused_qkv_matmul`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        page_size: Int,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=2, ...],
+        input: InputTensor[dtype=dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        wqkv: InputTensor[dtype=dtype, rank=2, ...],
+        kv: PagedKVCacheCollection[dtype_name, num_heads, head_dim, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        fused_qkv_matmul[target=target](
+            output, input, input_row_offsets, wqkv, kv, layer_idx, ctx
+        )
+
+
+@extensibility.register("maxkv.paged.fused_qk_ragged_rope")
+struct PagedFusedQKRaggedRope:
+    """See `fused_qk_rope`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        freq_dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        page_size: Int,
+        interleaved: Bool,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        input: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: PagedKVCacheCollection[dtype_name, num_heads, head_dim, page_size],
+        freqs_cis: InputTensor[dtype=freq_dtype, rank=2, ...],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        fused_qk_rope[interleaved=interleaved, target=target](
+            output, input, input_row_offsets, kv, freqs_cis, layer_idx, ctx
+        )
+
+
+@extensibility.register("maxkv.paged.flash_attention_ragged")
+struct PagedFlashAttentionRagged:
+    """See `flash_attention`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        page_size: Int,
+        mask_str: StaticString,
+        scale: Float32,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        input: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: PagedKVCacheCollection[dtype_name, num_heads, head_dim, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        flash_attention[mask_str=mask_str, scale=scale, target=target](
+            output, input, input_row_offsets, kv, layer_idx, ctx
         )

@@ -26,10 +26,12 @@ from kv_cache.types import (
 from layout import Layout, LayoutTensor, RuntimeLayout, UNKNOWN_VALUE, lt_to_tt
 from std.utils import IndexList
 
+from .kv_trait import MaxkvKVCollection
+
 
 struct ContinuousBatchingKVCacheCollection[
     dtype_name: StaticString, num_heads: Int, head_dim: Int
-](ImplicitlyCopyable, Movable):
+](ImplicitlyCopyable, MaxkvKVCollection, Movable):
     """A borrowed view of the KV cache for the sequences of one batch.
 
     Parameters:
@@ -50,6 +52,7 @@ struct ContinuousBatchingKVCacheCollection[
     comptime MaxCollection = MaxContinuousBatchingKVCacheCollection[
         Self.dtype, Self.kv_params, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin
     ]
+    comptime View = Self.MaxCollection
 
     var blocks: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]
     var cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin]
@@ -78,6 +81,18 @@ struct ContinuousBatchingKVCacheCollection[
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
         self.max_cache_length = max_cache_length
+
+    @always_inline
+    def batch(self) -> Int:
+        return self.batch_size
+
+    @always_inline
+    def max_new_tokens(self) -> UInt32:
+        return self.max_seq_length
+
+    @always_inline
+    def max_context_length(self) -> UInt32:
+        return self.max_cache_length
 
     @always_inline
     def num_layers(self) -> Int:
@@ -138,14 +153,21 @@ struct ContinuousBatchingKVCacheCollection[
             self.max_cache_length,
         }
 
+    def check_extent(self, batch_idx: Int, end: Int) raises:
+        if end > self.capacity():
+            raise Error(
+                "maxkv: sequence ", batch_idx, " needs ", end, " tokens, past max_seq_len ",
+                self.capacity(),
+            )
+
     def check_bounds(self) raises:
         """Raises if a lookup-table entry or a cache length is out of range.
 
         Reads `cache_lengths` and `lookup_table`, so it must only be called
         where they are host memory (CPU targets).  Guards against tensors
-        built by hand, not by the manager.
+        built by hand, not by the manager.  Each op checks its new tokens
+        (`checks.check_rows`).
         """
-        var capacity = UInt32(self.capacity())
         for b in range(self.batch_size):
             var slot = self.lookup_table[b]
             if Int(slot) >= self.max_cache_slots():
@@ -153,12 +175,7 @@ struct ContinuousBatchingKVCacheCollection[
                     "maxkv: lookup_table[", b, "] = ", slot,
                     " is out of range: the cache has ", self.max_cache_slots(), " slots",
                 )
-            var length = self.cache_lengths[b]
-            if length > capacity or self.max_seq_length > capacity - length:
-                raise Error(
-                    "maxkv: sequence ", b, " has cache length ", length, " and up to ",
-                    self.max_seq_length, " new tokens, past max_seq_len ", capacity,
-                )
+            self.check_extent(b, self.cache_length(b))
 
 
 @extensibility.register("maxkv.kv_collection_ctor")

@@ -25,6 +25,7 @@ from maxkv import (
     KVCacheParams,
 )
 from maxkv import ops as kvops
+from maxkv.protocol import KVCacheManagerBase
 
 from .reference import ReferenceLayerCache
 
@@ -74,15 +75,24 @@ def layer_input_types(config: AttentionConfig) -> list[TensorType]:
     ]
 
 
-def build_layer_graph(config: AttentionConfig, session: InferenceSession, kernels: Path) -> Model:
-    """cache inputs + (x, row offsets, wqkv, freqs, layer) -> (Q rotated, attention[, no-mask])."""
+def build_layer_graph(
+    config: AttentionConfig,
+    session: InferenceSession,
+    kernels: Path,
+    manager: KVCacheManagerBase | None = None,
+) -> Model:
+    """cache inputs + (x, row offsets, wqkv, freqs, layer) -> (Q rotated, attention[, no-mask]).
+
+    ``manager`` gives the cache inputs and the collection (default: contiguous).
+    """
     params = config.params
-    symbols = [*config.manager(session).input_symbols()[0], *layer_input_types(config)]
+    manager = manager or config.manager(session)
+    symbols = [*manager.input_symbols()[0], *layer_input_types(config)]
     with Graph("layer", input_types=symbols, custom_extensions=[kernels]) as graph:
         blocks, lengths, lookup, max_lengths, x, offsets, wqkv, freqs, layer = (
             value.tensor for value in graph.inputs
         )
-        kv = FetchContinuousBatchingKVCacheCollection(params)(blocks, lengths, lookup, max_lengths)
+        kv = manager.collection_fetcher()(blocks, lengths, lookup, max_lengths)
         q = kvops.fused_qkv_ragged_matmul(params, x, offsets, wqkv, kv, layer)
         q = q.reshape(["total_tokens", config.n_heads, config.head_dim])
         q = kvops.fused_qk_ragged_rope(

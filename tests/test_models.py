@@ -393,3 +393,31 @@ def test_demo_on_the_real_model_verifies(tmp_path: Path, smollm2_gguf: Path) -> 
     assert len(data["outputs"]) == len(data["texts"]) == 8
     assert data["texts"][0] == "The capital of France is Paris."
     assert data["summary"]["verified"] is True and data["summary"]["generated_tokens"] > 0
+
+
+@pytest.mark.compile
+def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """--cache paged with too few pages for the whole batch: requests wait, tokens still
+    equal transformers'."""
+    requires_transformers()
+    out = tmp_path / "out.json"
+    result = run_demo(
+        "--model",
+        str(smollm2_gguf),
+        "--max-new-tokens",
+        "24",
+        "--cache",
+        "paged",
+        "--page-size",
+        "16",
+        "--num-pages",
+        "12",
+        "--verify",
+        "--output-json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify against transformers: all match (8 requests)" in result.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["cache"] == "paged" and summary["num_pages"] == 12
+    assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once

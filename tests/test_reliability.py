@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams
+from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
 
 from .conftest import RELIABILITY_COUNTS
 
@@ -386,6 +386,166 @@ PrefixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPrefixStateMachine = PrefixMachine.TestCase
+
+
+PAGE_SIZE = 2
+NUM_PAGES = 10
+PAGED_IDS = 4
+
+
+class PagedMachine(RuleBasedStateMachine):
+    """claim, fetch + write + step, fork, pop_n and release on a paged manager.
+
+    The model holds each live sequence's token values.  Appends write them
+    into the pages through the page table ``fetch`` returned (as a kernel
+    would), so the invariant, which reads every sequence back through its
+    pages, catches a page owned twice, a missed copy-on-write or a wrong
+    fork copy; reference counts and the free-page count are checked against
+    the pages the sequences hold (none leaked).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
+        self.manager = PagedKVCacheManager(
+            params, PAGE_SIZE, NUM_PAGES, PAGED_IDS, MAX_SEQ_LEN, 1, [CPU()], shared_session()
+        )
+        self.values: dict[int, list[float]] = {}
+        self.counter = 0.0
+        RELIABILITY_COUNTS["paged machine: examples"] += 1
+
+    def state(self) -> object:
+        m = self.manager
+        return (
+            dict(m.cache_lengths),
+            m.free_pages,
+            {s: m.pages(s) for s in m.cache_lengths},
+        )
+
+    def rejected(self, call: object, *args: object, **kwargs: object) -> None:
+        before = self.state()
+        with pytest.raises(ValueError):
+            call(*args, **kwargs)  # type: ignore[operator]
+        assert self.state() == before
+        RELIABILITY_COUNTS["paged machine: inputs rejected"] += 1
+
+    def free_ids(self) -> list[int]:
+        return [s for s in range(PAGED_IDS) if s not in self.values]
+
+    @rule(n=st.integers(1, 2))
+    def claim(self, n: int) -> None:
+        if n > len(self.free_ids()):
+            self.rejected(self.manager.claim, n)
+            return
+        expected = self.free_ids()[:n]
+        assert self.manager.claim(n) == expected
+        for seq in expected:
+            self.values[seq] = []
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        live = sorted(self.values)
+        seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=2, unique=True))
+        new = [data.draw(st.integers(1, 4)) for _ in seqs]
+        steps = data.draw(st.integers(1, 2))
+        needed = [len(self.values[s]) + n + steps - 1 for s, n in zip(seqs, new, strict=True)]
+        if max(needed) > MAX_SEQ_LEN:
+            self.rejected(self.manager.fetch, seqs, steps, active_lengths=new)
+            return
+        m = self.manager
+        pages_needed = 0
+        for seq, total in zip(seqs, needed, strict=True):
+            held = m.pages(seq)
+            first = len(self.values[seq]) // PAGE_SIZE
+            last = -(-total // PAGE_SIZE)
+            shared = [i for i in range(first, min(last, len(held))) if m.page_refcount(held[i]) > 1]
+            pages_needed += len(shared) + max(0, last - len(held))
+        if pages_needed > m.free_pages:
+            self.rejected(m.fetch, seqs, steps, active_lengths=new)
+            RELIABILITY_COUNTS["paged machine: out of pages"] += 1
+            return
+        (inputs,) = m.fetch(seqs, steps, active_lengths=new)
+        pages = inputs[0].to_numpy()
+        table = inputs[2].to_numpy()
+        lengths = inputs[1].to_numpy()
+        # Write the first step's tokens through the table, as a kernel would.
+        for row, (seq, n) in enumerate(zip(seqs, new, strict=True)):
+            assert lengths[row] == len(self.values[seq])
+            for t in range(len(self.values[seq]), len(self.values[seq]) + n):
+                self.counter += 1
+                pages[table[row, t // PAGE_SIZE], :, 0, t % PAGE_SIZE] = self.counter
+                self.values[seq].append(self.counter)
+        m.step(dict(zip(seqs, new, strict=True)))
+        RELIABILITY_COUNTS["paged machine: appends"] += 1
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        live = sorted(self.values)
+        parent = data.draw(st.sampled_from(live))
+        pos = data.draw(st.integers(0, len(self.values[parent])))
+        if not self.free_ids() or (pos % PAGE_SIZE and self.manager.free_pages == 0):
+            self.rejected(self.manager.fork, parent, pos)
+            return
+        child = self.manager.fork(parent, pos)
+        assert child == self.free_ids()[0]
+        self.values[child] = self.values[parent][:pos]
+        RELIABILITY_COUNTS["paged machine: forks"] += 1
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data())
+    def pop_n(self, data: st.DataObject) -> None:
+        live = sorted(self.values)
+        seq = data.draw(st.sampled_from(live))
+        n = data.draw(st.integers(0, len(self.values[seq]) + 1))
+        if not 0 < n <= len(self.values[seq]):
+            self.rejected(self.manager.pop_n, seq, n)
+            return
+        self.manager.pop_n(seq, n)
+        del self.values[seq][-n:]
+        RELIABILITY_COUNTS["paged machine: pop_n"] += 1
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.values)))
+        if data.draw(st.integers(0, 9), label="bogus") == 0:
+            self.rejected(self.manager.release, max(self.free_ids(), default=PAGED_IDS))
+            return
+        self.manager.release(seq)
+        del self.values[seq]
+
+    @invariant()
+    def pages_match_model(self) -> None:
+        m = self.manager
+        assert dict(m.cache_lengths) == {s: len(v) for s, v in self.values.items()}
+        pages = m._pages[0].to_numpy()
+        holders: dict[int, int] = {}
+        for seq, values in self.values.items():
+            held = m.pages(seq)
+            assert len(set(held)) == len(held), f"seq {seq} holds a page twice: {held}"
+            assert len(held) >= -(-len(values) // PAGE_SIZE)
+            for page in held:
+                holders[page] = holders.get(page, 0) + 1
+            tokens = np.arange(len(values))
+            read = pages[
+                np.array(held, dtype=np.int64)[tokens // PAGE_SIZE], 0, 0, tokens % PAGE_SIZE
+            ]
+            np.testing.assert_array_equal(read[:, 0, 0] if read.ndim > 1 else read, values)
+        for page in range(NUM_PAGES):
+            assert m.page_refcount(page) == holders.get(page, 0), f"page {page}"
+        assert m.free_pages == NUM_PAGES - len(holders), "a page leaked"
+        RELIABILITY_COUNTS["paged machine: steps"] += 1
+
+
+PagedMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPagedStateMachine = PagedMachine.TestCase
 
 
 def test_eight_threads_share_one_manager() -> None:

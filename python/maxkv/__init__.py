@@ -1,10 +1,12 @@
 """maxkv: a continuous-batching KV cache for MAX graphs.
 
-Python side: :class:`ContinuousBatchingKVCacheManager` owns the cache and
-hands a graph four tensors per device; inside the graph,
-:class:`FetchContinuousBatchingKVCacheCollection` wraps them into one opaque
-:class:`ContinuousBatchingKVCacheCollection` that maxkv's Mojo ops
-(:mod:`maxkv.ops`) consume.  Load :func:`kernels_path` as a custom extension.
+Python side: :class:`ContinuousBatchingKVCacheManager` (one slot per
+sequence) or :class:`PagedKVCacheManager` (pages, TVM's design) owns the
+cache and hands a graph four tensors per device; inside the graph,
+:class:`FetchContinuousBatchingKVCacheCollection` (or
+:class:`FetchPagedKVCacheCollection`) wraps them into one opaque collection
+that maxkv's Mojo ops (:mod:`maxkv.ops`) consume.  Load :func:`kernels_path`
+as a custom extension.
 """
 
 from . import ops
@@ -14,9 +16,14 @@ from .graph import (
     ContinuousBatchingKVCacheCollectionType,
     ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
+    FetchPagedKVCacheCollection,
+    KVCacheCollection,
+    PagedKVCacheCollection,
+    PagedKVCacheCollectionType,
 )
 from .kernels import kernels_path, kernels_source_path
 from .manager import ContinuousBatchingKVCacheManager, KVCacheInputs, KVCacheInputSymbols
+from .paged_manager import PagedKVCacheManager
 from .params import SUPPORTED_DTYPES, KVCacheParams
 
 __version__ = "0.1.0"
@@ -29,9 +36,14 @@ __all__ = [
     "ContinuousBatchingKVCacheManager",
     "ContinuousBatchingKVCacheType",
     "FetchContinuousBatchingKVCacheCollection",
+    "FetchPagedKVCacheCollection",
+    "KVCacheCollection",
     "KVCacheInputSymbols",
     "KVCacheInputs",
     "KVCacheParams",
+    "PagedKVCacheCollection",
+    "PagedKVCacheCollectionType",
+    "PagedKVCacheManager",
     "__version__",
     "kernels_path",
     "kernels_source_path",

@@ -9,7 +9,7 @@ adds the slots and, opt-in, prefix caching:
 
 - :meth:`~ContinuousBatchingKVCacheManager.fork` copies the parent's first
   ``fork_pos`` tokens into a free slot on the device (one compiled graph,
-  the ``maxkv.copy_prefix`` op), all layers, all devices.
+  the ``maxkv.copy_tokens`` op), all layers, all devices.
 - With ``enable_prefix_caching=True`` the manager records the token ids each
   slot holds (``step(..., tokens=...)``) and
   :meth:`~ContinuousBatchingKVCacheManager.claim_prefix` starts a new
@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
-from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType, ops
+from max.engine import InferenceSession
+from max.graph import DeviceRef, TensorType
 
 from .graph import (
     BATCH_DIM,
@@ -36,16 +36,13 @@ from .graph import (
     SLOTS_DIM,
     STEPS_DIM,
     FetchContinuousBatchingKVCacheCollection,
-    kernel_parameters,
 )
-from .kernels import kernels_path
 from .params import KVCacheParams
 from .prefix_cache import PrefixCacheStats, PrefixIndex
 from .protocol import (
     KVCacheInputs,
     KVCacheInputSymbols,
     KVCacheManagerBase,
-    compiled_once,
     require_int,
     validate_sizes,
 )
@@ -97,7 +94,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             if enable_prefix_caching
             else None
         )
-        self._copy_model: Model | None = None
         shape = self.block_shape(self.max_cache_batch_size)
         self._blocks = [Buffer.zeros(shape, params.dtype, device=d) for d in self.devices]
 
@@ -352,66 +348,9 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
 
     # -------------------------------------------------------------- copies
 
-    def warm_up(self) -> None:
-        """Compiles the increment and copy graphs now (shared by managers of a session)."""
-        super().warm_up()
-        with self._lock:
-            self._get_copy_model()
-
     def _copy(self, source: int, destination: int, length: int) -> None:
         """Copies ``source``'s first ``length`` tokens into ``destination`` on every device."""
-        if length == 0:
-            return
-        model = self._get_copy_model()
-        slots = np.array([source, destination], dtype=np.uint32)
         lengths = np.array([length, 0], dtype=np.uint32)
-        max_lengths = Buffer.from_numpy(np.array([[0, length]], dtype=np.uint32))
-        inputs: list[Buffer] = []
-        for blocks, device in zip(self._blocks, self.devices, strict=True):
-            inputs += [
-                blocks,
-                Buffer.from_numpy(lengths.copy()).to(device),
-                Buffer.from_numpy(slots.copy()).to(device),
-                max_lengths,
-            ]
-        inputs.append(Buffer.from_numpy(np.array(length, dtype=np.uint32)))
-        copied = model.execute(*inputs)
-        for result in copied:
-            result.to_numpy()  # wait for the copy: later steps read the slot
-
-    def _get_copy_model(self) -> Model:
-        if self._copy_model is None:
-            key = (
-                "copy",
-                self.params,
-                self.num_layers,
-                *(str(DeviceRef.from_device(d)) for d in self.devices),
-            )
-            self._copy_model = compiled_once(self.session, key, self._copy_graph)
-        return self._copy_model
-
-    def _copy_graph(self) -> Graph:
-        symbols = self.input_symbols()
-        length_type = TensorType(DType.uint32, [], DeviceRef.CPU())
-        types = [t for device_symbols in symbols for t in device_symbols] + [length_type]
-        with Graph("maxkv_copy_prefix", input_types=types, custom_extensions=[kernels_path()]) as g:
-            values = [v.tensor for v in g.inputs]
-            length = values[-1]
-            outputs = []
-            for d, device in enumerate(self.devices):
-                cache = values[4 * d : 4 * d + 4]
-                kv = FetchContinuousBatchingKVCacheCollection(self.params)(*cache)
-                ref = DeviceRef.from_device(device)
-                outputs.append(
-                    ops.inplace_custom(
-                        "maxkv.copy_prefix",
-                        device=ref,
-                        values=[kv, length],
-                        out_types=[TensorType(DType.uint32, [1], ref)],
-                        parameters={
-                            k: v for k, v in kernel_parameters(self.params).items() if k != "dtype"
-                        },
-                    )[0].tensor
-                )
-            g.output(*outputs)
-        return g
+        max_lengths = np.array([[0, length]], dtype=np.uint32)
+        inputs = self._storage_inputs([source, destination], lengths, max_lengths)
+        self._copy_tokens(inputs, 0, length)

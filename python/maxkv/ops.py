@@ -1,9 +1,14 @@
 """Graph functions over maxkv's Mojo ops.
 
-Every function here takes the opaque :class:`ContinuousBatchingKVCacheCollection`
-built by :class:`~maxkv.graph.FetchContinuousBatchingKVCacheCollection` and the
+Every function here takes an opaque collection, either a
+:class:`~maxkv.graph.ContinuousBatchingKVCacheCollection` (built by
+:class:`~maxkv.graph.FetchContinuousBatchingKVCacheCollection`) or a
+:class:`~maxkv.graph.PagedKVCacheCollection` (built by
+:class:`~maxkv.graph.FetchPagedKVCacheCollection`), and the
 :class:`~maxkv.params.KVCacheParams` it was built with, validates its
-arguments at graph-build time, and emits one Mojo op.  A graph that uses them
+arguments at graph-build time, and emits one Mojo op: ``maxkv.<op>`` for the
+contiguous collection, ``maxkv.paged.<op>`` for the paged one (one Mojo body,
+generic over both).  A graph that uses them
 must load :func:`maxkv.kernels_path` as a custom extension.
 """
 
@@ -18,39 +23,46 @@ from max.graph import DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
 from max.graph.type import DeviceKind
 
-from .graph import (
-    BATCH_DIM,
-    COLLECTION_TYPE_NAME,
-    ContinuousBatchingKVCacheCollection,
-    kernel_parameters,
-    opaque_parameters,
-)
+from .graph import BATCH_DIM, KVCacheCollection
 from .params import KVCacheParams
 
 
-def _check_collection(
-    params: KVCacheParams, kv_collection: object
-) -> ContinuousBatchingKVCacheCollection:
+def _check_collection(params: KVCacheParams, kv_collection: object) -> KVCacheCollection:
     if not isinstance(params, KVCacheParams):
         raise TypeError(f"params must be a KVCacheParams, got {type(params).__name__}")
-    if not isinstance(kv_collection, ContinuousBatchingKVCacheCollection):
+    if not isinstance(kv_collection, KVCacheCollection):
         raise TypeError(
-            "kv_collection must be a ContinuousBatchingKVCacheCollection, got "
-            f"{type(kv_collection).__name__}"
+            "kv_collection must be a ContinuousBatchingKVCacheCollection or a "
+            f"PagedKVCacheCollection, got {type(kv_collection).__name__}"
         )
     kv_type = kv_collection.type
-    expected = opaque_parameters(params)
-    if kv_type.name != COLLECTION_TYPE_NAME or dict(kv_type.parameters) != expected:
+    found = dict(kv_type.parameters)
+    expected = {
+        "dtype_name": params.dtype_name,
+        "num_heads": params.n_kv_heads_per_device,
+        "head_dim": params.head_dim,
+    }
+    if kv_type.name != kv_collection.type_name or any(
+        found.get(k) != v for k, v in expected.items()
+    ):
         raise ValueError(
-            f"kv_collection was built for {kv_type.name}{dict(kv_type.parameters)}, "
-            f"but params describe {COLLECTION_TYPE_NAME}{expected}"
+            f"kv_collection was built for {kv_type.name}{found}, "
+            f"but params describe {kv_collection.type_name}{expected}"
         )
     return kv_collection
 
 
+def _kernel_parameters(
+    params: KVCacheParams, kv_collection: KVCacheCollection
+) -> dict[str, bool | int | str | DType]:
+    """The collection's Mojo parameters plus ``dtype``: a kernel parameter that
+    no tensor argument carries cannot be inferred, so they are passed again."""
+    return {**kv_collection.op_parameters(), "dtype": params.dtype}
+
+
 def cache_lengths(
     params: KVCacheParams,
-    kv_collection: ContinuousBatchingKVCacheCollection,
+    kv_collection: KVCacheCollection,
     batch_size: DimLike = BATCH_DIM,
 ) -> TensorValue:
     """Reads each sequence's cache length back through the collection.
@@ -66,14 +78,14 @@ def cache_lengths(
     Returns:
         uint32 ``[batch_size]`` on the collection's device.
     """
-    _check_collection(params, kv_collection)
-    device = kv_collection.device
+    collection = _check_collection(params, kv_collection)
+    device = collection.device
     return ops.inplace_custom(
-        "maxkv.cache_lengths",
+        collection.op_name("cache_lengths"),
         device=device,
-        values=[kv_collection],
+        values=[collection],
         out_types=[TensorType(DType.uint32, [batch_size], device=device)],
-        parameters=opaque_parameters(params),
+        parameters=collection.op_parameters(),
     )[0].tensor
 
 
@@ -168,7 +180,7 @@ def fused_qkv_ragged_matmul(
     input: TensorValue,
     input_row_offsets: TensorValue,
     wqkv: TensorValue,
-    kv_collection: ContinuousBatchingKVCacheCollection,
+    kv_collection: KVCacheCollection,
     layer_idx: int | TensorValue,
 ) -> TensorValue:
     """Projects ``input`` to Q, K and V and writes K and V into the cache.
@@ -216,11 +228,11 @@ def fused_qkv_ragged_matmul(
             f"input's hidden size {input.shape[1]} differs from wqkv's {wqkv.shape[1]}"
         )
     return ops.inplace_custom(
-        "maxkv.fused_qkv_ragged_matmul",
+        kv_collection.op_name("fused_qkv_ragged_matmul"),
         device=device,
         values=[input, offsets, wqkv, kv_collection, _layer_index(layer_idx)],
         out_types=[TensorType(params.dtype, [input.shape[0], n_heads * params.head_dim], device)],
-        parameters=kernel_parameters(params),
+        parameters=_kernel_parameters(params, kv_collection),
     )[0].tensor
 
 
@@ -228,7 +240,7 @@ def fused_qk_ragged_rope(
     params: KVCacheParams,
     input: TensorValue,
     input_row_offsets: TensorValue,
-    kv_collection: ContinuousBatchingKVCacheCollection,
+    kv_collection: KVCacheCollection,
     freqs_cis: TensorValue,
     layer_idx: int | TensorValue,
     interleaved: bool = False,
@@ -265,11 +277,11 @@ def fused_qk_ragged_rope(
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
     return ops.inplace_custom(
-        "maxkv.fused_qk_ragged_rope",
+        kv_collection.op_name("fused_qk_ragged_rope"),
         device=device,
         values=[input, offsets, kv_collection, freqs_cis, _layer_index(layer_idx)],
         out_types=[TensorType(input.dtype, input.shape, device)],
-        parameters={**kernel_parameters(params), "interleaved": interleaved},
+        parameters={**_kernel_parameters(params, kv_collection), "interleaved": interleaved},
     )[0].tensor
 
 
@@ -277,7 +289,7 @@ def flash_attention_ragged(
     params: KVCacheParams,
     input: TensorValue,
     input_row_offsets: TensorValue,
-    kv_collection: ContinuousBatchingKVCacheCollection,
+    kv_collection: KVCacheCollection,
     layer_idx: int | TensorValue,
     mask_variant: MaskVariant = "causal",
     scale: float | None = None,
@@ -309,11 +321,15 @@ def flash_attention_ragged(
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     return ops.inplace_custom(
-        "maxkv.flash_attention_ragged",
+        kv_collection.op_name("flash_attention_ragged"),
         device=device,
         values=[input, offsets, kv_collection, _layer_index(layer_idx)],
         out_types=[TensorType(input.dtype, input.shape, device)],
-        parameters={**kernel_parameters(params), "mask_str": mask_variant, "scale": float(scale)},
+        parameters={
+            **_kernel_parameters(params, kv_collection),
+            "mask_str": mask_variant,
+            "scale": float(scale),
+        },
     )[0].tensor
 
 
@@ -340,7 +356,7 @@ def store_kv_ragged(
     params: KVCacheParams,
     qkv: TensorValue,
     input_row_offsets: TensorValue,
-    kv_collection: ContinuousBatchingKVCacheCollection,
+    kv_collection: KVCacheCollection,
     layer_idx: int | TensorValue,
 ) -> TensorValue:
     """Writes the K and V columns of a fused QKV projection into the cache; returns Q.
@@ -382,11 +398,48 @@ def store_kv_ragged(
     if qkv.device != device:
         raise ValueError(f"qkv must be on {device}, got {qkv.device}")
     return ops.inplace_custom(
-        "maxkv.store_kv_ragged",
+        kv_collection.op_name("store_kv_ragged"),
         device=device,
         values=[qkv, offsets, kv_collection, _layer_index(layer_idx)],
         out_types=[TensorType(params.dtype, [qkv.shape[0], q_width], device)],
-        parameters=kernel_parameters(params),
+        parameters=_kernel_parameters(params, kv_collection),
+    )[0].tensor
+
+
+def copy_tokens(
+    params: KVCacheParams,
+    kv_collection: KVCacheCollection,
+    token_range: TensorValue,
+) -> TensorValue:
+    """Copies tokens ``[start, end)`` of batch entry 0 into batch entry 1, every layer.
+
+    The collection must hold two sequences, ``[source, destination]``: keys
+    and values of every layer are copied on the device (``fork``, prefix
+    caching, copy-on-write of a shared page).  The Mojo op checks (CPU) that
+    ``end`` is within the source's cache length, that both sequences have
+    storage for ``end`` tokens and that no copied row is shared.
+
+    Args:
+        params: The cache parameters the collection was built with.
+        kv_collection: The collection of ``[source, destination]``.
+        token_range: uint32 ``[2]`` ``(start, end)`` on the host.
+
+    Returns:
+        uint32 ``[1]``: the number of tokens copied.
+    """
+    collection = _check_collection(params, kv_collection)
+    device = collection.device
+    if device.device_type != DeviceKind.CPU:
+        raise ValueError("copy_tokens runs on CPU")
+    _check_tensor("token_range", token_range, DType.uint32, 1)
+    if token_range.device.device_type != DeviceKind.CPU:
+        raise ValueError(f"token_range must live on the host, got {token_range.device}")
+    return ops.inplace_custom(
+        collection.op_name("copy_tokens"),
+        device=device,
+        values=[collection, token_range],
+        out_types=[TensorType(DType.uint32, [1], device)],
+        parameters=collection.op_parameters(),
     )[0].tensor
 
 

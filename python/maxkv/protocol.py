@@ -45,7 +45,9 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from .graph import BATCH_DIM
+from . import ops as kv_ops
+from .graph import BATCH_DIM, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+from .kernels import kernels_path
 from .params import KVCacheParams
 
 #: Per device: the four graph inputs :meth:`KVCacheManagerBase.fetch` returns.
@@ -113,6 +115,7 @@ class KVCacheManagerBase(ABC):
         self._lock = threading.RLock()
         self._lengths: dict[int, int] = {}
         self._increment_model: Model | None = None
+        self._copy_model: Model | None = None
 
     # ------------------------------------------------------- storage hooks
 
@@ -154,6 +157,23 @@ class KVCacheManagerBase(ABC):
     @abstractmethod
     def input_symbols(self) -> list[KVCacheInputSymbols]:
         """Graph input types of :meth:`fetch`'s 4-tuples, one tuple per device."""
+
+    @abstractmethod
+    def collection_fetcher(
+        self,
+    ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
+        """What turns one device's :meth:`fetch` inputs into the collection inside a graph."""
+
+    def storage_units(self, tokens: int) -> int:
+        """Storage units (pages) a sequence of ``tokens`` tokens takes beyond its id;
+        0 where each id owns its storage (contiguous slots).  For schedulers."""
+        del tokens
+        return 0
+
+    @property
+    def total_storage_units(self) -> int:
+        """Storage units (pages) of the whole cache; 0 for contiguous slots."""
+        return 0
 
     # ------------------------------------------------------------ state
 
@@ -423,6 +443,7 @@ class KVCacheManagerBase(ABC):
     def warm_up(self) -> None:
         """Compiles the graphs the protocol runs (increment, copies) now, not on first use."""
         self._get_increment_model()
+        self._get_copy_model()
 
     # ----------------------------------------------------------- helpers
 
@@ -506,6 +527,49 @@ class KVCacheManagerBase(ABC):
                 self.session, key, lambda: _increment_graph(self.devices)
             )
         return self._increment_model
+
+    def _copy_tokens(self, inputs: list[KVCacheInputs], start: int, end: int) -> None:
+        """Runs the copy graph: tokens ``[start, end)`` of entry 0 into entry 1.
+
+        ``inputs`` are one device's 4-tuple per device for the batch
+        ``[source, destination]`` (source's cache length ``>= end``).  Waits
+        for the copy: later steps read the destination.
+        """
+        if end <= start:
+            return
+        model = self._get_copy_model()
+        token_range = Buffer.from_numpy(np.array([start, end], dtype=np.uint32))
+        flat = [buffer for device_inputs in inputs for buffer in device_inputs]
+        for result in model.execute(*flat, token_range):
+            result.to_numpy()
+
+    def _get_copy_model(self) -> Model:
+        if self._copy_model is None:
+            fetcher = self.collection_fetcher()
+            key = (
+                "copy",
+                type(fetcher).__name__,
+                self.params,
+                getattr(fetcher, "page_size", None),
+                self.num_layers,
+                *(str(DeviceRef.from_device(d)) for d in self.devices),
+            )
+            self._copy_model = compiled_once(self.session, key, self._copy_graph)
+        return self._copy_model
+
+    def _copy_graph(self) -> Graph:
+        symbols = self.input_symbols()
+        range_type = TensorType(DType.uint32, [2], DeviceRef.CPU())
+        types = [t for device_symbols in symbols for t in device_symbols] + [range_type]
+        fetch = self.collection_fetcher()
+        with Graph("maxkv_copy_tokens", input_types=types, custom_extensions=[kernels_path()]) as g:
+            values = [v.tensor for v in g.inputs]
+            outputs = []
+            for d in range(len(self.devices)):
+                kv = fetch(*values[4 * d : 4 * d + 4])
+                outputs.append(kv_ops.copy_tokens(self.params, kv, values[-1]))
+            g.output(*outputs)
+        return g
 
 
 def validate_sizes(

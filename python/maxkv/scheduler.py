@@ -16,6 +16,12 @@ One *round*:
    written to the cache (with their ids, which prefix caching records),
    finish requests at ``max_new_tokens`` or an EOS token, ``release`` them.
 
+Over a paged cache (:class:`~maxkv.PagedKVCacheManager`) a request is
+admitted only when the pages it can need at most (every completion's
+prompt and generated tokens, ignoring pages forks share) fit beside those
+of the requests in flight; otherwise it waits for a release, so a fetch
+never runs out of pages.
+
 With a model built with ``output="logits"`` the scheduler samples on the
 host instead (per-request temperature and seeded generator; temperature 0 is
 greedy), one step per round, and a request may ask for ``n`` completions:
@@ -67,6 +73,8 @@ class Request:
     completion: int = 0
     completions: list[Request] = field(default_factory=list)
     rng: np.random.Generator | None = None
+    #: Storage units (pages) set aside for this completion at admission.
+    reserved_units: int = 0
 
     @property
     def remaining(self) -> int:
@@ -88,6 +96,8 @@ class SchedulerStats:
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     forks: int = 0
+    #: Times admission waited for pages held by running requests.
+    page_waits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,6 +126,7 @@ class SchedulerStats:
             "prompt_tokens": self.prompt_tokens,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
             "forks": self.forks,
+            "page_waits": self.page_waits,
         }
 
 
@@ -163,6 +174,7 @@ class ContinuousBatchingScheduler:
             manager.warm_up()  # plan once: keep compiles out of the decode loop
         self._waiting: deque[Request] = deque()
         self._requests: list[Request] = []
+        self._reserved_units = 0
         self._decode_offsets = [
             Buffer.from_numpy(np.arange(n + 1, dtype=np.uint32)).to(model.device)
             for n in range(max_batch_size + 1)
@@ -217,6 +229,12 @@ class ContinuousBatchingScheduler:
                 f"prompt of {len(tokens)} + {max_new_tokens} new tokens (+{self.num_steps - 1} "
                 f"multistep) needs {needed} cache positions; the limit is {limit}"
             )
+        units = n * self.manager.storage_units(needed)
+        if units > self.manager.total_storage_units > 0:
+            raise ValueError(
+                f"{n} completion(s) of {needed} cache positions need up to {units} pages; "
+                f"the cache has {self.manager.total_storage_units}"
+            )
         request = Request(
             len(self._requests), tokens, max_new_tokens, temperature, n, seed, pending=tokens
         )
@@ -265,6 +283,8 @@ class ContinuousBatchingScheduler:
                 else:
                     self.manager.release(_seq_id(request))
                     request.seq_id = None
+                    self._reserved_units -= request.reserved_units
+                    request.reserved_units = 0
                     self._finish(request, on_complete)
             stats.elapsed_s = time.perf_counter() - start
             if on_round is not None:
@@ -291,6 +311,15 @@ class ContinuousBatchingScheduler:
             # Room for the request and the completions it will fork.
             if len(new) + request.n > room:
                 break
+            units = self.manager.storage_units(
+                positions_needed(len(request.prompt), request.max_new_tokens, self.num_steps)
+            )
+            total = self.manager.total_storage_units
+            if total and self._reserved_units + request.n * units > total:
+                stats.page_waits += 1
+                break  # wait for a release: the pages it may need are not all free
+            self._reserved_units += request.n * units
+            request.reserved_units = units
             self._waiting.popleft()
             if self.prefix_caching:
                 seq_id, cached = self.manager.claim_prefix(request.prompt)  # type: ignore[attr-defined]
@@ -335,6 +364,7 @@ class ContinuousBatchingScheduler:
                     completion=i,
                 )
                 child.rng = np.random.default_rng(request.seed + i)
+                child.reserved_units = request.reserved_units
                 child.seq_id = self.manager.fork(_seq_id(request), len(request.prompt) - 1)
                 child.cached_tokens = len(request.prompt) - 1
                 request.completions.append(child)

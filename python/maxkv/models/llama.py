@@ -20,10 +20,10 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from max.graph.type import DeviceKind
 
 from .. import ops as kvops
-from ..graph import ContinuousBatchingKVCacheCollection
+from ..graph import KVCacheCollection
 from ..kernels import kernels_path
-from ..manager import ContinuousBatchingKVCacheManager, KVCacheInputs
 from ..params import KVCacheParams
+from ..protocol import KVCacheInputs, KVCacheManagerBase
 from .config import LlamaConfig, check_weights
 
 
@@ -120,7 +120,7 @@ def build_llama_graph(
     config: LlamaConfig,
     params: KVCacheParams,
     cache_types: Sequence[TensorType],
-    make_collection: Callable[..., ContinuousBatchingKVCacheCollection],
+    make_collection: Callable[..., KVCacheCollection],
     device: DeviceRef,
     output: OutputKind = "tokens",
 ) -> Graph:
@@ -214,7 +214,7 @@ class LlamaModel:
         self,
         config: LlamaConfig,
         weights: Mapping[str, np.ndarray],
-        manager: ContinuousBatchingKVCacheManager,
+        manager: KVCacheManagerBase,
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
