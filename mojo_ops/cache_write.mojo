@@ -83,6 +83,48 @@ def store_kv[
             )
 
 
+def write_kv[
+    C: MaxkvKVCollection, dtype: DType, num_heads: Int, head_dim: Int, target: StaticString
+](
+    output: OutputTensor[dtype=DType.uint32, rank=1, ...],
+    keys: InputTensor[dtype=dtype, rank=2, ...],
+    values: InputTensor[dtype=dtype, rank=2, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """Writes precomputed K and V rows (`[total_tokens, num_heads * head_dim]`) into
+    the cache of `layer_idx`: token `t` of sequence `b` at `cache_length[b] + t`.
+
+    For KV computed outside the model graph (CacheBlend).  Returns the rows written.
+    """
+    comptime assert is_cpu[target](), "maxkv.write_kv_ragged runs on CPU"
+    comptime assert C.View.dtype == dtype, "K/V dtype differs from the cache's"
+    comptime kv_width = num_heads * head_dim
+    var layer = Int(check_layer(kv, layer_idx))
+    var tokens = keys.dim_size(0)
+    check_rows[target](kv, input_row_offsets, tokens)
+    if (
+        values.dim_size(0) != tokens
+        or keys.dim_size(1) != kv_width
+        or values.dim_size(1) != kv_width
+    ):
+        raise Error("maxkv.write_kv_ragged: keys and values must be [total_tokens, ", kv_width, "]")
+    var k_src = keys.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
+        Scalar[C.View.dtype]
+    ]()
+    var v_src = values.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
+        Scalar[C.View.dtype]
+    ]()
+    for b in range(kv.batch()):
+        var start = Int(input_row_offsets[b])
+        var cached = kv.cache_length(b)
+        for t in range(Int(input_row_offsets[b + 1]) - start):
+            _copy_row(kv.row_ptr(0, layer, b, cached + t), k_src.unsafe_offset((start + t) * kv_width), kv_width)
+            _copy_row(kv.row_ptr(1, layer, b, cached + t), v_src.unsafe_offset((start + t) * kv_width), kv_width)
+    output[0] = UInt32(tokens)
+
+
 def copy_tokens[
     C: MaxkvKVCollection, num_heads: Int, head_dim: Int, target: StaticString
 ](
@@ -227,4 +269,55 @@ struct PagedCopyTokens:
     ) raises:
         copy_tokens[num_heads=num_heads, head_dim=head_dim, target=target](
             output, kv, token_range
+        )
+
+
+@extensibility.register("maxkv.write_kv_ragged")
+struct WriteKVRagged:
+    """See `write_kv`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=DType.uint32, rank=1, ...],
+        keys: InputTensor[dtype=dtype, rank=2, ...],
+        values: InputTensor[dtype=dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        write_kv[num_heads=num_heads, head_dim=head_dim, target=target](
+            output, keys, values, input_row_offsets, kv, layer_idx
+        )
+
+
+@extensibility.register("maxkv.paged.write_kv_ragged")
+struct PagedWriteKVRagged:
+    """See `write_kv`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        page_size: Int,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=DType.uint32, rank=1, ...],
+        keys: InputTensor[dtype=dtype, rank=2, ...],
+        values: InputTensor[dtype=dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: PagedKVCacheCollection[dtype_name, num_heads, head_dim, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        write_kv[num_heads=num_heads, head_dim=head_dim, target=target](
+            output, keys, values, input_row_offsets, kv, layer_idx
         )

@@ -172,6 +172,36 @@ def _check_static_dim(name: str, value: TensorValue, axis: int, expected: int, w
         raise ValueError(f"{name} dim {axis} must be {what} = {expected}, got {actual}")
 
 
+def _check_cache_inputs(
+    params: KVCacheParams,
+    storage: tuple[str, TensorValue],
+    cache_lengths: TensorValue,
+    table: tuple[str, TensorValue, int],
+    max_lengths: TensorValue,
+) -> None:
+    """The checks both fetchers run on one device's four inputs (dtypes, ranks,
+    static dims of the storage's K/V, head and dim axes, devices)."""
+    storage_name, blocks = storage
+    table_name, table_value, table_rank = table
+    _check(storage_name, blocks, params.dtype, 6)
+    _check("cache_lengths", cache_lengths, DType.uint32, 1)
+    _check(table_name, table_value, DType.uint32, table_rank)
+    _check("max_lengths", max_lengths, DType.uint32, 2)
+    _check_static_dim(storage_name, blocks, 1, 2, "the key/value axis")
+    _check_static_dim(
+        storage_name, blocks, 4, params.n_kv_heads_per_device, "n_kv_heads_per_device"
+    )
+    _check_static_dim(storage_name, blocks, 5, params.head_dim, "head_dim")
+    _check_static_dim("max_lengths", max_lengths, 1, 2, "(max new tokens, max cache length)")
+    if max_lengths.device.device_type != DeviceKind.CPU:
+        raise ValueError(f"max_lengths must live on the host, got {max_lengths.device}")
+    for name, value in (("cache_lengths", cache_lengths), (table_name, table_value)):
+        if value.device != blocks.device:
+            raise ValueError(
+                f"{name} must be on the {storage_name}' device {blocks.device}, got {value.device}"
+            )
+
+
 class FetchContinuousBatchingKVCacheCollection:
     """Builds a :class:`ContinuousBatchingKVCacheCollection` inside a graph.
 
@@ -210,23 +240,13 @@ class FetchContinuousBatchingKVCacheCollection:
             ValueError: If a dtype, rank, static dim or device is wrong.
         """
         params = self.params
-        _check("blocks", blocks, params.dtype, 6)
-        _check("cache_lengths", cache_lengths, DType.uint32, 1)
-        _check("lookup_table", lookup_table, DType.uint32, 1)
-        _check("max_lengths", max_lengths, DType.uint32, 2)
-        _check_static_dim("blocks", blocks, 1, 2, "the key/value axis")
-        _check_static_dim(
-            "blocks", blocks, 4, params.n_kv_heads_per_device, "n_kv_heads_per_device"
+        _check_cache_inputs(
+            params,
+            ("blocks", blocks),
+            cache_lengths,
+            ("lookup_table", lookup_table, 1),
+            max_lengths,
         )
-        _check_static_dim("blocks", blocks, 5, params.head_dim, "head_dim")
-        _check_static_dim("max_lengths", max_lengths, 1, 2, "(max new tokens, max cache length)")
-        if max_lengths.device.device_type != DeviceKind.CPU:
-            raise ValueError(f"max_lengths must live on the host, got {max_lengths.device}")
-        for name, value in (("cache_lengths", cache_lengths), ("lookup_table", lookup_table)):
-            if value.device != blocks.device:
-                raise ValueError(
-                    f"{name} must be on the blocks' device {blocks.device}, got {value.device}"
-                )
 
         out = ops.custom(
             CTOR_OP_NAME,
@@ -280,22 +300,10 @@ class FetchPagedKVCacheCollection:
             ValueError: If a dtype, rank, static dim or device is wrong.
         """
         params = self.params
-        _check("pages", pages, params.dtype, 6)
-        _check("cache_lengths", cache_lengths, DType.uint32, 1)
-        _check("page_table", page_table, DType.uint32, 2)
-        _check("max_lengths", max_lengths, DType.uint32, 2)
-        _check_static_dim("pages", pages, 1, 2, "the key/value axis")
+        _check_cache_inputs(
+            params, ("pages", pages), cache_lengths, ("page_table", page_table, 2), max_lengths
+        )
         _check_static_dim("pages", pages, 3, self.page_size, "page_size")
-        _check_static_dim("pages", pages, 4, params.n_kv_heads_per_device, "n_kv_heads_per_device")
-        _check_static_dim("pages", pages, 5, params.head_dim, "head_dim")
-        _check_static_dim("max_lengths", max_lengths, 1, 2, "(max new tokens, max cache length)")
-        if max_lengths.device.device_type != DeviceKind.CPU:
-            raise ValueError(f"max_lengths must live on the host, got {max_lengths.device}")
-        for name, value in (("cache_lengths", cache_lengths), ("page_table", page_table)):
-            if value.device != pages.device:
-                raise ValueError(
-                    f"{name} must be on the pages' device {pages.device}, got {value.device}"
-                )
         out = ops.custom(
             PAGED_CTOR_OP_NAME,
             device=pages.device,

@@ -15,8 +15,8 @@ adds the slots and, opt-in, prefix caching:
   :meth:`~ContinuousBatchingKVCacheManager.claim_prefix` starts a new
   sequence with the longest prefix of its prompt that any slot holds, live
   or released (a released slot's KV is kept until the slot is reused, least
-  recently released first): taken over in place when that slot is free,
-  copied on the device otherwise.
+  recently released first): copied on the device into a free slot, or taken
+  over in place when the source is the only free slot.
 """
 
 from __future__ import annotations
@@ -209,8 +209,9 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
 
         The new sequence starts holding the longest prefix of ``prompt`` any
         slot holds (at most ``len(prompt) - 1`` tokens, so at least one token
-        is left to compute), in place when that slot is free, copied on the
-        device otherwise.  Prefill ``prompt[cached:]`` next.
+        is left to compute), copied on the device into a free slot (so a
+        released source keeps all it holds), or taken over in place when the
+        source is the only free slot.  Prefill ``prompt[cached:]`` next.
 
         Returns:
             ``(seq_id, cached)``: the id and the prompt tokens already cached.
@@ -231,13 +232,18 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
                 raise ValueError(f"cannot claim: all {self.max_cache_batch_size} slots are in use")
             self._prefix.stats.lookups += 1
             source, cached = self._find_prefix(tokens)
-            if source is not None and source in self._free_slots:
-                self._free_slots.remove(source)  # the prefix is already in place
+            spare = self._slot_order(exclude=source)[:1]
+            if source is not None and source in self._free_slots and not spare:
+                # The only free slot holds the prefix: take it over in place.
+                self._free_slots.remove(source)
                 self._prefix.keep(source)
                 self._prefix.truncate(source, cached)
                 seq_id = source
             else:
-                (seq_id,) = self._storage_claim(1)
+                # Copy, so that a released source keeps all it holds for later prompts.
+                (seq_id,) = spare
+                self._free_slots.remove(seq_id)
+                self._prefix.reuse(seq_id)
                 if source is not None and cached:
                     try:
                         self._copy(source, seq_id, cached)
@@ -270,18 +276,23 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
     def _free_ids(self) -> int:
         return len(self._free_slots)
 
-    def _storage_claim(self, n: int) -> list[int]:
+    def _slot_order(self, exclude: int | None = None) -> list[int]:
+        """Free slots in claiming order: with prefix caching, slots holding nothing
+        first, then the least recently released."""
         if self._prefix is None:
-            slots = sorted(self._free_slots)[:n]
-        else:  # never-used slots first, then the least recently released
+            order = sorted(self._free_slots)
+        else:
             released = [s for s in self._prefix.released_lru() if s in self._free_slots]
             kept = set(released)
-            fresh = sorted(s for s in self._free_slots if s not in kept)
-            slots = (fresh + released)[:n]
-            for slot in slots:
-                self._prefix.reuse(slot)
+            order = sorted(s for s in self._free_slots if s not in kept) + released
+        return [s for s in order if s != exclude]
+
+    def _storage_claim(self, n: int) -> list[int]:
+        slots = self._slot_order()[:n]
         for slot in slots:
             self._free_slots.remove(slot)
+            if self._prefix is not None:
+                self._prefix.reuse(slot)
         return slots
 
     def _storage_claim_ids(self, seq_ids: list[int]) -> None:

@@ -196,7 +196,8 @@ def fused_qkv_ragged_matmul(
         input_row_offsets: uint32 ``[batch + 1]``, on the collection's device.
         wqkv: ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` of
             ``params.dtype`` (Q rows, then K rows, then V rows).
-        kv_collection: The collection (see ``FetchContinuousBatchingKVCacheCollection``).
+        kv_collection: Either collection (``FetchContinuousBatchingKVCacheCollection`` or
+            ``FetchPagedKVCacheCollection``).
         layer_idx: The layer: a Python int or a uint32 scalar on the host.
 
     Returns:
@@ -403,6 +404,53 @@ def store_kv_ragged(
         values=[qkv, offsets, kv_collection, _layer_index(layer_idx)],
         out_types=[TensorType(params.dtype, [qkv.shape[0], q_width], device)],
         parameters=_kernel_parameters(params, kv_collection),
+    )[0].tensor
+
+
+def write_kv_ragged(
+    params: KVCacheParams,
+    keys: TensorValue,
+    values: TensorValue,
+    input_row_offsets: TensorValue,
+    kv_collection: KVCacheCollection,
+    layer_idx: int | TensorValue,
+) -> TensorValue:
+    """Writes precomputed keys and values into the cache of ``layer_idx``.
+
+    Token *t* of sequence *b* (rows ``input_row_offsets[b] ..``) goes to
+    position ``cache_length[b] + t``, after the same bounds checks as every op
+    (CPU only).  For KV computed outside the model graph (CacheBlend); keys
+    must already carry their rotary embedding.
+
+    Args:
+        params: The cache parameters the collection was built with.
+        keys: ``[total_tokens, n_kv_heads_per_device * head_dim]`` of ``params.dtype``.
+        values: Same shape and dtype as ``keys``.
+        input_row_offsets: uint32 ``[batch + 1]``.
+        kv_collection: Either collection.
+        layer_idx: The layer: a Python int or a uint32 scalar on the host.
+
+    Returns:
+        uint32 ``[1]``: the rows written.
+    """
+    collection = _check_collection(params, kv_collection)
+    device = collection.device
+    if device.device_type != DeviceKind.CPU:
+        raise ValueError("write_kv_ragged runs on CPU")
+    kv_width = params.n_kv_heads_per_device * params.head_dim
+    for name, value in (("keys", keys), ("values", values)):
+        _check_tensor(name, value, params.dtype, 2)
+        if _static_dim(name, value, 1) != kv_width:
+            raise ValueError(f"{name} dim 1 must be n_kv_heads_per_device * head_dim = {kv_width}")
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+    offsets = _check_row_offsets(input_row_offsets, device)
+    return ops.inplace_custom(
+        collection.op_name("write_kv_ragged"),
+        device=device,
+        values=[keys, values, offsets, collection, _layer_index(layer_idx)],
+        out_types=[TensorType(DType.uint32, [1], device)],
+        parameters=_kernel_parameters(params, collection),
     )[0].tensor
 
 

@@ -1,0 +1,178 @@
+"""The chunk KV store and CacheBlend's retriever over it.
+
+:class:`ChunkKVStore` keeps each text chunk's K/V, computed by prefilling
+the chunk alone (positions 0 ..), keyed by a hash of the model and the
+chunk's token ids: in host memory, and optionally in a directory that
+survives restarts (one ``.npz`` per chunk, written to a temporary name and
+renamed).  :class:`CacheBlendRetriever` answers LMCache's
+:meth:`~maxkv.blend.BlendRetriever.new_request` from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .interfaces import BlendRetriever, BlendRetrieverResult, BlendRetrieverTask
+from .prefill import BlendedPrefill
+
+#: A kept chunk: K and V ``[num_layers, tokens, kv_heads, head_dim]`` and the
+#: position its first token had when they were computed.
+StoredKV = tuple[np.ndarray, np.ndarray, int]
+
+
+class ChunkKVStore:
+    """Chunk token ids -> every layer's K and V (and the position the chunk started at).
+
+    A chunk is prefilled alone (positions 0 ..), or, with ``context``, after a
+    fixed context such as the chat template's header (positions
+    ``len(context) ..``, attending to it): the chunk's KV then no longer
+    carries the attention-sink role of a sequence's first tokens, which
+    brings the blended KV much closer to a full prefill's (see the README).
+
+    Args:
+        prefill: Computes a chunk's K/V (the model).
+        directory: Where to keep chunks across restarts (optional).
+    """
+
+    def __init__(self, prefill: BlendedPrefill, directory: str | Path | None = None) -> None:
+        self.prefill = prefill
+        self.directory = Path(directory) if directory is not None else None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        c = prefill.config
+        self._model_tag = hashlib.sha256(repr(c).encode()).hexdigest()[:16]
+        self._memory: dict[str, StoredKV] = {}
+        self._lock = threading.Lock()
+
+    def key(
+        self, tokens: np.ndarray | list[int], context: np.ndarray | list[int] | None = None
+    ) -> str:
+        """The store key of a chunk: a hash of the model, the context and the token ids."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        before = np.asarray(context if context is not None else [], dtype=np.int64)
+        digest = hashlib.sha256(self._model_tag.encode())
+        digest.update(len(before).to_bytes(8, "little") + before.tobytes() + ids.tobytes())
+        return digest.hexdigest()
+
+    def store(
+        self,
+        chunk_tokens: np.ndarray | list[int],
+        context: np.ndarray | list[int] | None = None,
+    ) -> str:
+        """Prefills the chunk (alone, or after ``context``) and keeps its K/V.
+
+        A no-op when the chunk is already kept.
+
+        Returns:
+            The chunk's key.
+        """
+        tokens = np.asarray(chunk_tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("chunk_tokens must be a non-empty 1-D list of token ids")
+        before = np.asarray(context if context is not None else [], dtype=np.int64)
+        key = self.key(tokens, before)
+        if self.get(key) is not None:
+            return key
+        k, v = self.prefill.kv(np.concatenate([before, tokens]))
+        start = len(before)
+        k, v = np.ascontiguousarray(k[:, start:]), np.ascontiguousarray(v[:, start:])
+        with self._lock:
+            self._memory[key] = (k, v, start)
+        if self.directory is not None:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.savez(f, k=k, v=v, start=np.int64(start), tokens=tokens)
+                os.replace(tmp, self.directory / f"{key}.npz")
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return key
+
+    def get(self, key: str) -> StoredKV | None:
+        """A chunk's ``(k, v, start)``: K and V ``[num_layers, tokens, kv_heads,
+        head_dim]`` and the position its first token had; ``None`` if not kept."""
+        with self._lock:
+            if key in self._memory:
+                return self._memory[key]
+        if self.directory is not None:
+            path = self.directory / f"{key}.npz"
+            if path.is_file():
+                with np.load(path) as data:
+                    kv = (data["k"], data["v"], int(data["start"]))
+                with self._lock:
+                    self._memory[key] = kv
+                return kv
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._memory)
+
+
+class CacheBlendRetrieverTask(BlendRetrieverTask):
+    """Per layer, the retrieved K/V of a batch of prompts (concatenated)."""
+
+    def __init__(self, segments: list[tuple[int, int, StoredKV | None]], total: int):
+        self._segments = segments
+        self._total = total
+        self.valid_mask = np.zeros(total, dtype=bool)
+        self.original_positions = np.zeros(total, dtype=np.int64)
+        for start, length, kv in segments:
+            if kv is not None:
+                self.valid_mask[start : start + length] = True
+                self.original_positions[start : start + length] = kv[2] + np.arange(length)
+
+    def result(self, layer_id: int) -> BlendRetrieverResult:
+        found = [(s, n, kv) for s, n, kv in self._segments if kv is not None]
+        if not found:
+            return BlendRetrieverResult(None, None, self.valid_mask, self.original_positions)
+        shape = found[0][2][0].shape[2:]
+        k = np.zeros((self._total, *shape), dtype=np.float32)
+        v = np.zeros_like(k)
+        for start, length, (ks, vs, _) in found:
+            k[start : start + length] = ks[layer_id]
+            v[start : start + length] = vs[layer_id]
+        return BlendRetrieverResult(k, v, self.valid_mask, self.original_positions)
+
+
+class CacheBlendRetriever(BlendRetriever):
+    """Finds each segment of a prompt in a :class:`ChunkKVStore` by its token ids.
+
+    Segments are looked up as stored alone and, with ``context``, as stored
+    after that context (the first found wins).
+    """
+
+    def __init__(self, store: ChunkKVStore, context: list[int] | None = None) -> None:
+        self.store = store
+        self.context = list(context) if context is not None else None
+
+    def new_request(
+        self, full_prompts: list[np.ndarray], indices: list[list[int]]
+    ) -> CacheBlendRetrieverTask:
+        """Segments of prompt *i* start at ``indices[i]`` (the first at 0); each segment
+        found in the store is valid.  Prompts are concatenated in batch order."""
+        if len(full_prompts) != len(indices):
+            raise ValueError("full_prompts and indices differ in length")
+        segments: list[tuple[int, int, StoredKV | None]] = []
+        offset = 0
+        for prompt, starts in zip(full_prompts, indices, strict=True):
+            tokens = np.asarray(prompt, dtype=np.int64)
+            bounds = sorted(set([0, *starts]))
+            if bounds[-1] >= len(tokens) or bounds[0] < 0:
+                raise ValueError(f"segment starts {starts} are outside a prompt of {len(tokens)}")
+            for start, end in zip(bounds, [*bounds[1:], len(tokens)], strict=True):
+                kv = None
+                if self.context is not None:
+                    kv = self.store.get(self.store.key(tokens[start:end], self.context))
+                if kv is None:
+                    kv = self.store.get(self.store.key(tokens[start:end]))
+                segments.append((offset + start, end - start, kv))
+            offset += len(tokens)
+        return CacheBlendRetrieverTask(segments, offset)
