@@ -421,3 +421,21 @@ def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_g
     summary = json.loads(out.read_text())["summary"]
     assert summary["cache"] == "paged" and summary["num_pages"] == 12
     assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once
+
+
+def test_gguf_tokenizer_converts_without_torch(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main job must not need torch: transformers' GGUF tokenizer path only reads
+    metadata, but checks for torch; maxkv lifts that check for the call only."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoTokenizer
+
+    from maxkv.models.tokenizer import _from_gguf_without_torch
+
+    monkeypatch.setattr(gguf_utils, "is_torch_available", lambda: False)
+    with pytest.raises(ImportError, match="install torch"):  # what a user without torch saw
+        AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    tokenizer = _from_gguf_without_torch(AutoTokenizer, smollm2_gguf)
+    assert tokenizer.encode("Hello world") == [19556, 905]
+    assert gguf_utils.is_torch_available() is False  # restored

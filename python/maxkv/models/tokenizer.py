@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 from ..cachedir import cache_dir
 from .config import LlamaConfig, ModelLoadError
 from .loading import model_file
+
+_lock = threading.Lock()
 
 
 class ChatTokenizer:
@@ -106,7 +109,7 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
     cached = cache_dir() / "tokenizers" / key.hexdigest()[:24]
     if (cached / "tokenizer_config.json").is_file():
         return auto.from_pretrained(str(cached))
-    tokenizer = auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = _from_gguf_without_torch(auto, gguf)
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cached.parent))
     try:
@@ -117,3 +120,23 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
+
+
+def _from_gguf_without_torch(auto: Any, gguf: Path) -> Any:
+    """transformers' GGUF tokenizer conversion, also where torch is not installed.
+
+    For a tokenizer transformers reads only the GGUF's metadata (no tensors),
+    but ``load_gguf_checkpoint`` refuses to start without torch; maxkv itself
+    does not need torch, so the check is lifted for this call only.
+    """
+    import importlib
+
+    gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    original = gguf_utils.is_torch_available
+    with _lock:
+        if not original():
+            gguf_utils.is_torch_available = lambda: True
+        try:
+            return auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        finally:
+            gguf_utils.is_torch_available = original
