@@ -209,7 +209,7 @@ class LayerGraphs:
         v: np.ndarray,
     ) -> np.ndarray:
         """The layer's output rows for the queries (causal over keys at 0 .. N-1)."""
-        key_positions = np.arange(k.shape[0], dtype=np.int64)  # alive while executing
+        key_positions = np.arange(k.shape[0], dtype=np.int64)
         (out,) = self._attention_mlp.execute(
             _f32(h),
             _f32(q),
@@ -287,27 +287,14 @@ def weight_buffers(weights: Mapping[str, np.ndarray]) -> dict[str, Buffer]:
 
 
 def _owned(buffer: Buffer) -> np.ndarray:
-    """A NumPy copy of a graph output: ``to_numpy()`` on the CPU is a view of memory
-    the engine may reuse once the Buffer is dropped."""
+    """A graph output as a NumPy array that owns its data (``to_numpy()`` on the CPU
+    is a view of the output buffer; the executor edits and keeps these arrays)."""
     return np.array(buffer.to_numpy(), copy=True)
 
 
-_keep_alive: list[np.ndarray] = []
-
-
 def _f32(a: np.ndarray) -> Buffer:
-    """A zero-copy Buffer of ``a`` as float32.  ``Buffer.from_numpy`` does not keep a
-    converted temporary alive, so callers pass arrays they hold until execution ends;
-    a converted copy is held here until the next conversion."""
-    return _buffer(np.ascontiguousarray(a, dtype=np.float32), a)
+    return Buffer.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
 def _i64(a: np.ndarray) -> Buffer:
-    return _buffer(np.ascontiguousarray(a, dtype=np.int64), a)
-
-
-def _buffer(converted: np.ndarray, original: np.ndarray) -> Buffer:
-    if converted is not original:
-        _keep_alive.append(converted)
-        del _keep_alive[:-16]
-    return Buffer.from_numpy(converted)
+    return Buffer.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
