@@ -22,8 +22,11 @@ from nn.kv_cache_ragged import (
 from nn.attention.gpu.mha import MHADecodeDispatchMetadata
 from nn.fused_qk_rope import fused_qk_rope_ragged
 
+from max.gpu.host.info import is_cpu
+
 from .checks import check_layer, check_rows
 from .collection import ContinuousBatchingKVCacheCollection
+from .decode_attention import decode_applies, decode_attention
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
 
@@ -91,6 +94,8 @@ def fused_qk_rope[
 def flash_attention[
     C: MaxkvKVCollection,
     dtype: DType,
+    kv_heads: Int,
+    head_dim: Int,
     mask_str: StaticString,
     scale: Float32,
     target: StaticString,
@@ -102,9 +107,21 @@ def flash_attention[
     layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
-    """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA)."""
+    """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA).
+
+    A decode step on CPU (one new token per sequence) runs maxkv's
+    `decode_attention`; anything else runs MAX's generic kernel.
+    """
     var layer = check_layer(kv, layer_idx)
     check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    comptime if is_cpu[target]():
+        if decode_applies[head_dim](
+            input_row_offsets, kv.batch(), input.dim_size(1), kv_heads
+        ):
+            decode_attention[kv_heads=kv_heads, head_dim=head_dim](
+                output, input, kv, Int(layer), scale
+            )
+            return
     var view = kv.view()
     var metadata = MHADecodeDispatchMetadata(
         kv.batch(), Int(kv.max_new_tokens()), 0, Int(kv.max_context_length())
@@ -197,7 +214,9 @@ struct FlashAttentionRagged:
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        flash_attention[mask_str=mask_str, scale=scale, target=target](
+        flash_attention[
+            kv_heads=num_heads, head_dim=head_dim, mask_str=mask_str, scale=scale, target=target
+        ](
             output, input, input_row_offsets, kv, layer_idx, ctx
         )
 
@@ -281,6 +300,8 @@ struct PagedFlashAttentionRagged:
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        flash_attention[mask_str=mask_str, scale=scale, target=target](
+        flash_attention[
+            kv_heads=num_heads, head_dim=head_dim, mask_str=mask_str, scale=scale, target=target
+        ](
             output, input, input_row_offsets, kv, layer_idx, ctx
         )

@@ -1,10 +1,13 @@
 """One decode step of flash attention: maxkv's collection vs MAX's paged cache.
 
 Both sides get identical keys and values (written into each cache's own
-layout), identical queries, and run MAX's flash attention kernel: maxkv through
-``maxkv.ops.flash_attention_ragged`` on its continuous-batching view, MAX
-through ``max.nn.kernels.flash_attention_ragged`` on ``PagedKVCacheManager``'s
-inputs.  Each graph is compiled once; batch and context are runtime dims.
+layout) and identical queries.  maxkv runs ``maxkv.ops.flash_attention_ragged``
+on its continuous-batching collection (a decode step, so maxkv's own CPU
+decode kernel, ``mojo_ops/decode_attention.mojo``); MAX runs
+``max.nn.kernels.flash_attention_ragged`` on ``PagedKVCacheManager``'s inputs
+(MAX's kernel).  Outputs must agree to 1e-4 or the comparison is void.  Each
+graph is compiled once; batch and context are runtime dims; the two sides
+are timed in turns (medians).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..graph import FetchContinuousBatchingKVCacheCollection
 from ..kernels import kernels_path
 from ..manager import ContinuousBatchingKVCacheManager
 from ..params import KVCacheParams
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 
 
 @dataclass(frozen=True)
@@ -250,8 +253,10 @@ def bench_attention_decode(
                 paged_side.run(inputs)
                 device.synchronize()
 
-            maxkv_ms = median_seconds(run_ours, warmup=warmup, repeats=repeats) * 1e3
-            paged_ms = median_seconds(run_theirs, warmup=warmup, repeats=repeats) * 1e3
+            medians = interleaved_median_seconds(
+                {"maxkv": run_ours, "max_paged": run_theirs}, warmup=warmup, repeats=repeats
+            )
+            maxkv_ms, paged_ms = medians["maxkv"] * 1e3, medians["max_paged"] * 1e3
             # Bytes a decode step must read: every cached K and V once.
             kv_bytes = 2 * batch * context * shape.n_heads * shape.head_dim * 4
             rows.append(

@@ -1,0 +1,164 @@
+"""maxkv's CPU decode-attention kernel (one new token per sequence) against NumPy.
+
+``flash_attention_ragged`` takes maxkv's kernel when every sequence of the step
+has one new token.  The grid covers contexts 1 to 4096, batches 1 to 64 with
+mixed lengths, GQA ratios 1, 3 and 4, head_dim 64 and 128, float32 and
+bfloat16, and contexts long enough to be split over workers and merged.  Cache
+rows past each sequence's context hold NaN, and layer 0 holds other values
+than layer 1 (the layer read): a read out of range shows up in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType
+
+from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, kernels_path
+from maxkv import ops as kvops
+from maxkv.graph import FetchContinuousBatchingKVCacheCollection
+
+from .reference import attention
+from .test_attention import as_numpy, round_to, to_buffer
+
+pytestmark = pytest.mark.compile
+
+NUM_LAYERS = 2
+LAYER = 1
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    dtype: DType
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def params(self) -> KVCacheParams:
+        return KVCacheParams(self.dtype, self.kv_heads, self.head_dim)
+
+
+MHA_64 = DecodeConfig(DType.float32, 8, 8, 64)  # GQA ratio 1
+GQA3_128 = DecodeConfig(DType.float32, 6, 2, 128)  # ratio 3
+GQA4_64 = DecodeConfig(DType.float32, 12, 3, 64)  # ratio 4, SmolLM2's 3 KV heads
+GQA4_BF16 = DecodeConfig(DType.bfloat16, 8, 2, 64)
+
+
+@pytest.fixture(scope="session")
+def decode_model(session: InferenceSession) -> Callable[[DecodeConfig], Model]:
+    """One compiled decode-attention graph per config (batch and context are runtime)."""
+    models: dict[DecodeConfig, Model] = {}
+
+    def get(config: DecodeConfig) -> Model:
+        if config not in models:
+            manager = ContinuousBatchingKVCacheManager(
+                config.params, 1, 2, NUM_LAYERS, [CPU()], session
+            )
+            types = [
+                *manager.input_symbols()[0],
+                TensorType(
+                    config.dtype, ["batch", config.q_heads, config.head_dim], DeviceRef.CPU()
+                ),
+                TensorType(DType.uint32, ["offsets"], DeviceRef.CPU()),
+            ]
+            with Graph(
+                "decode_attention", input_types=types, custom_extensions=[kernels_path()]
+            ) as graph:
+                *cache, q, offsets = (v.tensor for v in graph.inputs)
+                kv = FetchContinuousBatchingKVCacheCollection(config.params)(*cache)
+                graph.output(kvops.flash_attention_ragged(config.params, q, offsets, kv, LAYER))
+            models[config] = session.load(graph)
+        return models[config]
+
+    return get
+
+
+def run_case(
+    config: DecodeConfig, model: Model, session: InferenceSession, contexts: list[int], seed: int
+) -> float:
+    """Decodes one token per sequence over ``contexts`` cached tokens (the new
+    token's included); returns the worst absolute error against NumPy."""
+    rng = np.random.default_rng(seed)
+    batch = len(contexts)
+    manager = ContinuousBatchingKVCacheManager(
+        config.params, batch, max(contexts), NUM_LAYERS, [CPU()], session
+    )
+    ids = manager.claim(batch)
+    shape = manager.block_shape(batch)
+    blocks = np.full(shape, np.nan, dtype=np.float32)
+    blocks[:, :, 0] = rng.standard_normal(blocks[:, :, 0].shape, dtype=np.float32) * 3
+    for slot, context in zip(ids, contexts, strict=True):
+        blocks[slot, :, LAYER, :context] = rng.standard_normal(
+            (2, context, config.kv_heads, config.head_dim), dtype=np.float32
+        )
+    q = rng.standard_normal((batch, config.q_heads, config.head_dim), dtype=np.float32)
+    manager.fetch(ids)
+    manager.step({seq: context - 1 for seq, context in zip(ids, contexts, strict=True)})
+    (inputs,) = manager.fetch(ids)  # cache_length = context - 1, plus the new token
+    source = to_buffer(blocks, config.dtype)
+    inputs[0].inplace_copy_from(source)
+    manager.devices[0].synchronize()  # the copy may run asynchronously: wait before `source` goes
+    del source
+    offsets = Buffer.from_numpy(np.arange(batch + 1, dtype=np.uint32))
+    (out,) = model.execute(*inputs, to_buffer(q, config.dtype), offsets)
+    actual = as_numpy(out)
+    stored = round_to(blocks, config.dtype)
+    queries = round_to(q, config.dtype)
+    scale = 1 / math.sqrt(config.head_dim)
+    worst = 0.0
+    for b, (slot, context) in enumerate(zip(ids, contexts, strict=True)):
+        k = stored[slot, 0, LAYER, :context]
+        v = stored[slot, 1, LAYER, :context]
+        expected = attention(queries[b : b + 1], k, v, context - 1, True, scale)[0]
+        worst = max(worst, float(np.abs(actual[b] - expected).max()))
+    return worst
+
+
+F32_ATOL = 1e-5
+# bf16 as in test_attention: the output is rounded to bf16 once (|values| < 1 here).
+BF16_ATOL = 8e-3
+
+CASES = [
+    (MHA_64, [1]),
+    (MHA_64, [2, 63, 64, 65]),
+    (MHA_64, [4096]),
+    (MHA_64, [4096, 1, 777]),
+    (GQA3_128, [1, 17, 64, 255, 256, 257, 1000, 2049]),
+    (GQA3_128, [4096]),
+    (GQA4_64, [3000, 5, 1300]),
+    (GQA4_BF16, [4096, 129, 1]),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "contexts"),
+    CASES,
+    ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-d{c.head_dim}-{x}" for c, x in CASES],
+)
+def test_decode_matches_numpy(
+    decode_model: Callable[[DecodeConfig], Model],
+    session: InferenceSession,
+    config: DecodeConfig,
+    contexts: list[int],
+) -> None:
+    worst = run_case(config, decode_model(config), session, contexts, seed=len(contexts))
+    assert worst <= (BF16_ATOL if config.dtype == DType.bfloat16 else F32_ATOL), worst
+
+
+@pytest.mark.parametrize("config", [MHA_64, GQA4_64])
+def test_decode_batch_64_mixed_lengths(
+    decode_model: Callable[[DecodeConfig], Model],
+    session: InferenceSession,
+    config: DecodeConfig,
+) -> None:
+    contexts = [int(c) for c in np.random.default_rng(7).integers(1, 600, size=64)]
+    contexts[0], contexts[1] = 1, 2048
+    assert run_case(config, decode_model(config), session, contexts, seed=64) <= F32_ATOL
