@@ -110,7 +110,9 @@ def flash_attention[
     """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA).
 
     A decode step on CPU (one new token per sequence) runs maxkv's
-    `decode_attention`; anything else runs MAX's generic kernel.
+    `decode_attention`; anything else runs MAX's generic kernel.  The two masks
+    maxkv takes, causal and null, agree for one new token: it sees every
+    cached token, which is what `decode_attention` computes.
     """
     var layer = check_layer(kv, layer_idx)
     check_rows[target](kv, input_row_offsets, input.dim_size(0))
