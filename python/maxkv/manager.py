@@ -45,6 +45,7 @@ from .protocol import (
     KVCacheManagerBase,
     require_int,
     validate_sizes,
+    zeroed_buffers,
 )
 
 __all__ = ["ContinuousBatchingKVCacheManager", "KVCacheInputSymbols", "KVCacheInputs"]
@@ -95,7 +96,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             else None
         )
         shape = self.block_shape(self.max_cache_batch_size)
-        self._blocks = [Buffer.zeros(shape, params.dtype, device=d) for d in self.devices]
+        self._blocks = zeroed_buffers(shape, params.dtype, self.devices)
 
     # ------------------------------------------------------------------ sizes
 

@@ -51,6 +51,7 @@ from .protocol import (
     KVCacheManagerBase,
     require_int,
     validate_sizes,
+    zeroed_buffers,
 )
 
 __all__ = ["UNUSED_PAGE", "PagedKVCacheManager"]
@@ -100,7 +101,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._pool = PagePool(self.num_pages)
         self._page_lists: dict[int, list[int]] = {}
         shape = self.pages_shape(self.num_pages)
-        self._pages = [Buffer.zeros(shape, params.dtype, device=d) for d in self.devices]
+        self._pages = zeroed_buffers(shape, params.dtype, self.devices)
 
     # ------------------------------------------------------------------ sizes
 

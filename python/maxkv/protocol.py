@@ -79,6 +79,22 @@ def require_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
+def zeroed_buffers(shape: Sequence[int], dtype: DType, devices: Sequence[Device]) -> list[Buffer]:
+    """One zero-filled ``shape`` buffer per device, filled before this returns.
+
+    ``Buffer.zeros`` only enqueues the fill (on the CPU too), and a graph
+    that receives the buffer as an input is not ordered after it: the
+    graph's ops write the cache through the opaque collection, which MAX
+    does not see as writes.  A fill that started late (on a loaded machine)
+    then zeroed keys and values a model step had just written.  Waiting for
+    each device here, once per manager, rules that out.
+    """
+    buffers = [Buffer.zeros(list(shape), dtype, device=device) for device in devices]
+    for device in devices:
+        device.synchronize()
+    return buffers
+
+
 class KVCacheManagerBase(ABC):
     """What every maxkv manager shares: ids, lengths, validation, the lock,
     the increment graph and the protocol's public methods.
