@@ -26,7 +26,7 @@ from max.gpu.host.info import is_cpu
 
 from .checks import check_layer, check_rows
 from .collection import ContinuousBatchingKVCacheCollection
-from .decode_attention import DECODE_KERNEL_ENABLED, decode_applies, decode_attention
+from .decode_attention import decode_applies, decode_attention
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
 
@@ -116,7 +116,7 @@ def flash_attention[
     """
     var layer = check_layer(kv, layer_idx)
     check_rows[target](kv, input_row_offsets, input.dim_size(0))
-    comptime if DECODE_KERNEL_ENABLED and is_cpu[target]():
+    comptime if is_cpu[target]():
         if decode_applies[head_dim](
             input_row_offsets, kv.batch(), input.dim_size(1), kv_heads
         ):

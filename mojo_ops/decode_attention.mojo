@@ -34,13 +34,6 @@ from std.sys import simd_width_of
 
 from .kv_trait import MaxkvKVCollection
 
-comptime DECODE_KERNEL_ENABLED = False
-"""Whether `flash_attention` dispatches decode steps here.  Off: with it on,
-`tests/test_sequence_ops.py::test_pop_n_rewinds_like_speculative_decoding`
-failed intermittently (about 1 run of that file in 4; never in 6 runs with it
-off): a slot's rows past the step's tokens or its new row seem to be read
-before they hold this step's values.  Not found yet; until it is, MAX's kernel
-runs every step."""
 comptime W = simd_width_of[DType.float32]()
 """float32 SIMD width of the target (16 with AVX-512)."""
 comptime BLOCK = 64

@@ -28,16 +28,7 @@ from maxkv.graph import FetchContinuousBatchingKVCacheCollection
 from .reference import attention
 from .test_attention import as_numpy, round_to, to_buffer
 
-pytestmark = [
-    pytest.mark.compile,
-    # These tests hold maxkv's decode kernel to its own bars (1e-5 float32, 8e-3 bfloat16,
-    # NaN past every context); MAX's kernel, which runs while maxkv's is switched off,
-    # is checked by test_attention.py against its bars.
-    pytest.mark.skip(
-        reason="maxkv's decode kernel is switched off (DECODE_KERNEL_ENABLED in "
-        "mojo_ops/decode_attention.mojo): an intermittent wrong result, see the README"
-    ),
-]
+pytestmark = pytest.mark.compile
 
 NUM_LAYERS = 2
 LAYER = 1
