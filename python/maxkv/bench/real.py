@@ -7,13 +7,18 @@ All sides run in this process and are interleaved: after a warm-up run of
 each, every repeat runs maxkv, transformers and MAX once; medians.
 
 - maxkv: :class:`~maxkv.scheduler.ContinuousBatchingScheduler` (its
-  multistep decoding, ``num_steps`` per fetch) over maxkv's Llama graph.
+  multistep decoding, ``num_steps`` per fetch) over maxkv's Llama graph,
+  without prefix caching (``maxkv_*``) and with it (``maxkv_prefix_caching_*``:
+  the chat prompts share SmolLM2's default system message, which a request
+  then copies from the one that computed it instead of prefilling it again).
+  A fresh manager per run, so nothing is reused from one repeat to the next.
 - transformers: ``generate`` on a left-padded batch with an attention mask,
   float32, torch threads = CPU cores, ``eos_token_id=[]`` (nothing stops it).
 - MAX: MAX 26.7's own Llama pipeline (``LlamaForCausalLM``, its paged KV
   cache and sampler) on a float32 Hugging Face export of the same weights,
   driven by ``max.pipelines.lib.generate.generate`` with ``top_k=1`` and
-  ``ignore_eos=True``.
+  ``ignore_eos=True``, in its default configuration, which has prefix caching
+  on (pages of 128 tokens; the settings are recorded with the results).
 
 The roofline of a batch-``b`` decode step reads every weight once (float32)
 and the KV cache of ``b`` sequences at the mean context, and does
@@ -90,8 +95,17 @@ class _Maxkv:
     ) -> None:
         self.session, self.device, self.model, self.max_len = session, device, model, max_len
         self.llama: LlamaModel | None = None
+        #: Prompt tokens the last run found in its prefix cache.
+        self.prefix_hit_tokens = 0
 
-    def run(self, prompts: list[list[int]], new_tokens: int, num_steps: int) -> list[list[int]]:
+    def run(
+        self,
+        prompts: list[list[int]],
+        new_tokens: int,
+        num_steps: int,
+        *,
+        prefix_caching: bool = False,
+    ) -> list[list[int]]:
         c = self.model.config
         manager = ContinuousBatchingKVCacheManager(
             cache_params(c),
@@ -100,6 +114,7 @@ class _Maxkv:
             c.num_hidden_layers,
             [self.device],
             self.session,
+            enable_prefix_caching=prefix_caching,
         )
         if self.llama is None:
             self.llama = LlamaModel(c, self.model.weights, manager, self.session)
@@ -108,7 +123,8 @@ class _Maxkv:
         )
         for prompt in prompts:
             scheduler.submit(prompt, new_tokens)
-        outputs, _ = scheduler.run()
+        outputs, stats = scheduler.run()
+        self.prefix_hit_tokens = stats.prefix_cache_hit_tokens
         return outputs
 
 
@@ -158,7 +174,14 @@ class _MaxPipeline:
             max_length=max_len,
             max_batch_size=max_batch,
         )
-        retrieved = PIPELINE_REGISTRY.retrieve_factory(PipelineConfig.from_args(args))
+        config = PipelineConfig.from_args(args)
+        kv_cache = config.model.kv_cache
+        #: MAX's KV-cache settings in this run (its defaults).
+        self.kv_cache = {
+            "enable_prefix_caching": bool(kv_cache.enable_prefix_caching),
+            "page_size": int(kv_cache.kv_cache_page_size),
+        }
+        retrieved = PIPELINE_REGISTRY.retrieve_factory(config)
         self.pipeline = retrieved.factory()
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -228,6 +251,9 @@ def end_to_end_real(
     sides: dict[str, Callable[[list[list[int]]], list[list[int]]]] = {}
     ours = _Maxkv(session, device, model, max_len)
     sides["maxkv"] = lambda p: ours.run(p, new_tokens, num_steps)
+    sides["maxkv_prefix_caching"] = lambda p: ours.run(
+        p, new_tokens, num_steps, prefix_caching=True
+    )
     try:
         hf = _Transformers(model)
         sides["hf"] = lambda p: hf.run(p, new_tokens)
@@ -256,16 +282,31 @@ def end_to_end_real(
         }
         for name in sides:
             row[f"{name}_tokens_per_s"] = round(generated / _median(times[name]), 1)
+        row["prefix_cache_hit_tokens"] = ours.prefix_hit_tokens
+        row["prompt_tokens"] = sum(len(p) for p in batch_prompts)
+        row["max_pipeline_kv_cache"] = theirs.kv_cache
+        row["prefix_caching_same_tokens_as_maxkv"] = (
+            outputs["maxkv_prefix_caching"] == outputs["maxkv"]
+        )
         row["roofline_tokens_per_s"] = round(
             roofline_tokens_per_s(model.config, batch, context, read_bandwidth_gbps, matmul_gflops),
             1,
         )
         if "hf" in outputs:
             row["same_tokens_as_hf"] = outputs["maxkv"] == outputs["hf"]
+            row["prefix_caching_same_tokens_as_hf"] = (
+                outputs["maxkv_prefix_caching"] == outputs["hf"]
+            )
             row["max_pipeline_same_tokens_as_hf"] = outputs["max_pipeline"] == outputs["hf"]
             row["speedup_vs_hf"] = round(row["maxkv_tokens_per_s"] / row["hf_tokens_per_s"], 2)
+            row["prefix_caching_speedup_vs_hf"] = round(
+                row["maxkv_prefix_caching_tokens_per_s"] / row["hf_tokens_per_s"], 2
+            )
         row["speedup_vs_max_pipeline"] = round(
             row["maxkv_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 2
+        )
+        row["prefix_caching_speedup_vs_max_pipeline"] = round(
+            row["maxkv_prefix_caching_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 2
         )
         row["fraction_of_roofline"] = round(
             row["maxkv_tokens_per_s"] / row["roofline_tokens_per_s"], 3

@@ -88,17 +88,21 @@ def print_summary(results: dict[str, Any]) -> None:
     if "end_to_end_real" in results:
         print("\nend to end, SmolLM2-135M-Instruct (tokens/s, median)")
         print(
-            f"{'batch':>5} {'maxkv':>8} {'HF':>8} {'MAX':>8} {'roofline':>9} {'xHF':>6} "
-            f"{'xMAX':>6} {'roof':>6} same-as-HF"
+            f"{'batch':>5} {'maxkv':>8} {'+prefix':>8} {'HF':>8} {'MAX':>8} {'roofline':>9} "
+            f"{'xHF':>6} {'xMAX':>6} {'+p xHF':>7} {'+p xMAX':>8} {'roof':>6} same-as-HF"
         )
         for r in results["end_to_end_real"]:
             print(
                 f"{r['batch']:>5} {r['maxkv_tokens_per_s']:>8.1f} "
+                f"{r.get('maxkv_prefix_caching_tokens_per_s', float('nan')):>8.1f} "
                 f"{r.get('hf_tokens_per_s', float('nan')):>8.1f} "
                 f"{r['max_pipeline_tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
                 f"{r.get('speedup_vs_hf', float('nan')):>6.2f} "
                 f"{r['speedup_vs_max_pipeline']:>6.2f} "
+                f"{r.get('prefix_caching_speedup_vs_hf', float('nan')):>7.2f} "
+                f"{r.get('prefix_caching_speedup_vs_max_pipeline', float('nan')):>8.2f} "
                 f"{r['fraction_of_roofline']:>6.2f} {r.get('same_tokens_as_hf')}"
+                f"/{r.get('prefix_caching_same_tokens_as_hf')}"
             )
     for profile in results.get("profile", []):
         print(
@@ -207,12 +211,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
             x = np.arange(len(rows))
             sides = [
                 ("maxkv_tokens_per_s", "maxkv"),
+                ("maxkv_prefix_caching_tokens_per_s", "maxkv + prefix caching"),
                 ("hf_tokens_per_s", "transformers"),
                 ("max_pipeline_tokens_per_s", "MAX pipeline"),
                 ("roofline_tokens_per_s", "roofline"),
             ]
             for j, (key, label) in enumerate(sides):
-                ax.bar(x + (j - 1.5) * 0.2, [r.get(key, 0.0) for r in rows], 0.2, label=label)
+                ax.bar(x + (j - 2) * 0.16, [r.get(key, 0.0) for r in rows], 0.16, label=label)
             ax.set_xticks(x, [f"batch {r['batch']}" for r in rows])
             ax.set_ylabel("generated tokens / s (median)")
             ax.set_title("SmolLM2-135M-Instruct, float32, 64 new tokens")
