@@ -95,7 +95,7 @@ class _Maxkv:
     ) -> None:
         self.session, self.device, self.model, self.max_len = session, device, model, max_len
         self.llama: LlamaModel | None = None
-        #: Prompt tokens the last run found in its prefix cache.
+        #: Prompt tokens the last prefix-caching run found in its prefix cache.
         self.prefix_hit_tokens = 0
 
     def run(
@@ -124,7 +124,8 @@ class _Maxkv:
         for prompt in prompts:
             scheduler.submit(prompt, new_tokens)
         outputs, stats = scheduler.run()
-        self.prefix_hit_tokens = stats.prefix_cache_hit_tokens
+        if prefix_caching:
+            self.prefix_hit_tokens = stats.prefix_cache_hit_tokens
         return outputs
 
 
