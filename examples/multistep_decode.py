@@ -308,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     output = "logits" if sampling else "tokens"
-    llama = LlamaModel(config, model.weights, manager, session, output=output)
+    llama = LlamaModel(
+        config, model.weights, manager, session, output=output, quantized=model.quantized
+    )
     scheduler = ContinuousBatchingScheduler(llama, manager, args.max_batch_size, args.num_steps)
     try:
         for i, prompt in enumerate(token_prompts):

@@ -65,14 +65,18 @@ def smollm2(smollm2_gguf: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> LlamaModel:
-    """SmolLM2 compiled once (greedy tokens out); its graph serves managers of any size."""
+    """SmolLM2 compiled once (greedy tokens out); its graph serves managers of any size.
+
+    With the GGUF's block-quantized copies, as the demo runs it: steps of up
+    to 8 rows read them, larger ones the float32 weights.
+    """
     from maxkv.models.llama import cache_params
 
     config = smollm2.config
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), 1, 16, config.num_hidden_layers, [CPU()], session
     )
-    return LlamaModel(config, smollm2.weights, manager, session)
+    return LlamaModel(config, smollm2.weights, manager, session, quantized=smollm2.quantized)
 
 
 def smollm2_manager(

@@ -513,23 +513,41 @@ def pack_linear_weight(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(tiles, PACKED_TILE, k).transpose(0, 2, 1))
 
 
-def linear_packed(x: TensorValue, w_packed: TensorValue, out_features: int) -> TensorValue:
+def linear_packed(
+    x: TensorValue,
+    w_packed: TensorValue,
+    out_features: int,
+    quantized: tuple[TensorValue, TensorValue] | None = None,
+) -> TensorValue:
     """``x @ w.T`` with ``w`` packed by :func:`pack_linear_weight` (CPU, float32).
 
     Faster than MAX's CPU matmul at the few rows of a decode step, which
-    packs ``w`` again on every call; every weight is streamed once.
+    packs ``w`` again on every call; every weight is streamed once.  With
+    ``quantized``, a block-quantized copy of the same weights
+    (:meth:`maxkv.quantized.BlockQuantized.pack`, checked exact with
+    :meth:`~maxkv.quantized.BlockQuantized.exactly`), steps of at most 8
+    rows read that copy instead: 4 to 7 times fewer bytes, bit-identical
+    results.
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
         w_packed: float32 ``[ceil(out_features / 64), K, 64]`` on the CPU.
         out_features: ``N``, the rows of the unpacked weight.
+        quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
+            (bits 4 or 8) and float32 ``[ceil(N / 64), K / 32, 2, 64]``.
 
     Returns:
         float32 ``[M, out_features]``.
     """
     _check_tensor("x", x, DType.float32, 2)
     _check_tensor("w_packed", w_packed, DType.float32, 3)
-    for name, value in (("x", x), ("w_packed", w_packed)):
+    values = [x, w_packed]
+    if quantized is not None:
+        q, sm = quantized
+        _check_tensor("q", q, DType.uint8, 3)
+        _check_tensor("sm", sm, DType.float32, 4)
+        values += [q, sm]
+    for name, value in zip(("x", "w_packed", "q", "sm")[: len(values)], values, strict=True):
         if value.device.device_type != DeviceKind.CPU:
             raise ValueError(f"linear_packed runs on CPU; {name} is on {value.device}")
     if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
@@ -541,10 +559,24 @@ def linear_packed(x: TensorValue, w_packed: TensorValue, out_features: int) -> T
             f"w_packed {list(w_packed.shape)} is not a packed [{out_features}, {k}] weight "
             f"(expected [{-(-out_features // PACKED_TILE)}, {k}, {PACKED_TILE}])"
         )
+    if quantized is not None:
+        q, sm = quantized
+        q_shape = [_static_dim("q", q, i) for i in range(3)]
+        sm_shape = [_static_dim("sm", sm, i) for i in range(4)]
+        if (
+            k % 32
+            or q_shape[:2] != [tiles, k]
+            or q_shape[2] not in (PACKED_TILE, PACKED_TILE // 2)
+            or sm_shape != [tiles, k // 32, 2, PACKED_TILE]
+        ):
+            raise ValueError(
+                f"q {q_shape} / sm {sm_shape} are not a packed quantized [{out_features}, {k}] "
+                f"weight (expected [{tiles}, {k}, 64 or 32] / [{tiles}, {k // 32}, 2, 64])"
+            )
     return ops.custom(
-        "maxkv.linear_packed",
+        "maxkv.linear_packed" if quantized is None else "maxkv.linear_packed_q",
         device=x.device,
-        values=[x, w_packed],
+        values=values,
         out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],
     )[0].tensor
 

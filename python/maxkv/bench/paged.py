@@ -278,7 +278,7 @@ def paged_end_to_end(
     result: dict[str, Any] = {"batch": batch, "new_tokens": new_tokens, "page_size": page_size}
     outputs = {}
     for name, manager in managers.items():
-        llama = LlamaModel(c, model.weights, manager, session)
+        llama = LlamaModel(c, model.weights, manager, session, quantized=model.quantized)
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             scheduler = ContinuousBatchingScheduler(

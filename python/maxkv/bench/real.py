@@ -117,7 +117,9 @@ class _Maxkv:
             enable_prefix_caching=prefix_caching,
         )
         if self.llama is None:
-            self.llama = LlamaModel(c, self.model.weights, manager, self.session)
+            self.llama = LlamaModel(
+                c, self.model.weights, manager, self.session, quantized=self.model.quantized
+            )
         scheduler = ContinuousBatchingScheduler(
             self.llama, manager, len(prompts), num_steps, stop_at_eos=False
         )

@@ -161,7 +161,7 @@ def sequence_ops_bench(
     manager = ContinuousBatchingKVCacheManager(
         cache_params(c), 1, 16, c.num_hidden_layers, [device], session
     )
-    llama = LlamaModel(c, model.weights, manager, session)
+    llama = LlamaModel(c, model.weights, manager, session, quantized=model.quantized)
     start = time.perf_counter()
     return {
         "prefix_caching": prefix_caching_bench(

@@ -117,7 +117,7 @@ class RagRunner:
             prefix_block_size=16,
         )
         self.prefix_manager.warm_up()
-        self.llama = LlamaModel(c, model.weights, self.manager, session)
+        self.llama = LlamaModel(c, model.weights, self.manager, session, quantized=model.quantized)
         self.prefill = BlendedPrefill(c, model.weights, session, device)
         self.store = ChunkKVStore(self.prefill, store_dir)
         self.chunk_context = chunk_context

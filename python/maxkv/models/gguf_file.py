@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
 from .config import LlamaConfig, ModelLoadError, Weights, check_weights
 
 #: GGUF architectures this loader reads (Mistral-family files also say "llama").
@@ -233,6 +234,44 @@ def read_gguf(
         if progress is not None:
             progress(done, len(reader.tensors))
     return config, check_weights(config, weights)
+
+
+def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
+    """The block-quantized matrices of a Llama GGUF file, as stored (Hugging Face names).
+
+    Every 2-D tensor of type Q4_0, Q4_1 or Q8_0 (:data:`maxkv.quantized.GGUF_TYPES`)
+    as a :class:`~maxkv.quantized.BlockQuantized` ``[N, K]``, Q and K rows
+    unpermuted as :func:`read_gguf` does; other types are left out.  What
+    :func:`read_gguf` returns for these tensors is exactly their
+    :meth:`~maxkv.quantized.BlockQuantized.dequantize`.
+
+    Raises:
+        ModelLoadError: On a file :func:`read_gguf` would refuse.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    names = {tensor.name for tensor in reader.tensors}
+    config = config_from_metadata(reader.fields, names)
+    out: dict[str, BlockQuantized] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if name is None or len(shape) != 2 or tensor.tensor_type.name not in GGUF_TYPES:
+            continue
+        try:
+            matrix = from_gguf_blocks(tensor.tensor_type.name, tensor.data, (shape[0], shape[1]))
+        except ValueError as error:
+            raise ModelLoadError(f"cannot read {tensor.name}: {error}") from None
+        heads = None
+        if name.endswith("q_proj.weight"):
+            heads = config.num_attention_heads
+        elif name.endswith("k_proj.weight"):
+            heads = config.num_key_value_heads
+        if heads is not None:
+            order = unpermute_rope_rows(np.arange(shape[0])[:, None], heads)[:, 0]
+            matrix = matrix.rows(order)
+        out[name] = matrix
+    return out
 
 
 def find_gguf(directory: Path) -> Path | None:

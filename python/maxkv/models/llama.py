@@ -24,6 +24,7 @@ from ..graph import KVCacheCollection
 from ..kernels import kernels_path
 from ..params import KVCacheParams
 from ..protocol import KVCacheInputs, KVCacheManagerBase
+from ..quantized import BlockQuantized
 from .config import LlamaConfig, check_weights
 
 
@@ -39,18 +40,49 @@ OutputKind = Literal["tokens", "logits"]
 OUTPUT_KINDS: tuple[str, ...] = ("tokens", "logits")
 
 
+def matrix_sources(config: LlamaConfig, *, packed: bool) -> dict[str, list[str]]:
+    """Graph matrix name -> the Hugging Face weights stacked (by rows) into it.
+
+    Per layer ``wqkv`` (Q, K, V), ``wo``, ``gate_up`` (gate, up) and
+    ``down``; ``lm_head`` (the embedding when tied) where the graph
+    multiplies by it as a matrix (always when ``packed``).
+    """
+    sources: dict[str, list[str]] = {}
+    if packed or not config.tie_word_embeddings:
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        sources["lm_head"] = [head]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sources[f"layers.{i}.wqkv"] = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
+        sources[f"layers.{i}.wo"] = [p + "self_attn.o_proj.weight"]
+        sources[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        sources[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
+    return sources
+
+
 def graph_weights(
-    config: LlamaConfig, weights: Mapping[str, np.ndarray], *, packed: bool
+    config: LlamaConfig,
+    weights: Mapping[str, np.ndarray],
+    *,
+    packed: bool,
+    quantized: Mapping[str, BlockQuantized] | None = None,
 ) -> dict[str, np.ndarray]:
     """The weights as :func:`build_llama_graph` names and lays them out.
 
     Per layer the Q, K and V projections are concatenated into one ``wqkv``
     ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` and the gate and up
     projections into one ``gate_up`` ``[2 * intermediate, hidden]``, so each
-    is one matmul.  With ``packed`` (CPU) every matrix, and the LM head, is
-    packed by :func:`maxkv.ops.pack_linear_weight` for
-    :func:`maxkv.ops.linear_packed`; otherwise they stay ``[out, in]``
+    is one matmul (:func:`matrix_sources`).  With ``packed`` (CPU) every
+    matrix, and the LM head, is packed by :func:`maxkv.ops.pack_linear_weight`
+    for :func:`maxkv.ops.linear_packed`; otherwise they stay ``[out, in]``
     (``x @ w.T``).  The RoPE table covers the model's whole context.
+
+    ``quantized`` (CPU only): block-quantized copies of some weights (Hugging
+    Face names, e.g. from :func:`~maxkv.models.gguf_file.read_gguf_quantized`).
+    A matrix all of whose sources have one, and whose stacked copy holds
+    exactly its float32 values (checked weight by weight), also gets
+    ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`), which
+    small decode steps read instead.
 
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
@@ -63,32 +95,45 @@ def graph_weights(
         "embed_tokens": w["model.embed_tokens.weight"],
         "norm": w["model.norm.weight"],
     }
-    matrices: dict[str, np.ndarray] = {}
-    if packed or not config.tie_word_embeddings:
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        matrices["lm_head"] = w[head]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         out[f"layers.{i}.input_norm"] = w[p + "input_layernorm.weight"]
         out[f"layers.{i}.post_norm"] = w[p + "post_attention_layernorm.weight"]
-        matrices[f"layers.{i}.wqkv"] = np.concatenate(
-            [w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
-        )
-        matrices[f"layers.{i}.wo"] = w[p + "self_attn.o_proj.weight"]
-        matrices[f"layers.{i}.gate_up"] = np.concatenate(
-            [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
-        )
-        matrices[f"layers.{i}.down"] = w[p + "mlp.down_proj.weight"]
-    for name, matrix in matrices.items():
+    quant_bits: dict[str, int] = {}
+    for name, parts in matrix_sources(config, packed=packed).items():
+        matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
+        matrix = np.ascontiguousarray(matrix, dtype=np.float32)
         out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
-    prepared = {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in out.items()}
-    expected = graph_weight_shapes(config, packed=packed)
+        if packed and quantized and all(part in quantized for part in parts):
+            copy = BlockQuantized.concat([quantized[part] for part in parts])
+            if copy.exactly(matrix):
+                out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
+                quant_bits[name] = copy.bits
+    prepared = {
+        name: np.ascontiguousarray(a, dtype=np.uint8 if name.endswith(".q") else np.float32)
+        for name, a in out.items()
+    }
+    expected = graph_weight_shapes(config, packed=packed, quant_bits=quant_bits)
     assert {n: a.shape for n, a in prepared.items()} == expected, "graph weight layout drifted"
     return prepared
 
 
-def graph_weight_shapes(config: LlamaConfig, *, packed: bool) -> dict[str, tuple[int, ...]]:
-    """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`)."""
+def quantized_bits(registry: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Matrix name -> bits of its quantized copy in a :func:`graph_weights` registry."""
+    return {
+        name[: -len(".q")]: int(a.shape[2]) * 8 // kvops.PACKED_TILE
+        for name, a in registry.items()
+        if name.endswith(".q")
+    }
+
+
+def graph_weight_shapes(
+    config: LlamaConfig, *, packed: bool, quant_bits: Mapping[str, int] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`).
+
+    ``quant_bits``: matrix name -> 4 or 8 for the matrices with a quantized copy.
+    """
     c = config
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
 
@@ -113,6 +158,10 @@ def graph_weight_shapes(config: LlamaConfig, *, packed: bool) -> dict[str, tuple
             f"layers.{i}.gate_up": matrix(2 * c.intermediate_size, c.hidden_size),
             f"layers.{i}.down": matrix(c.hidden_size, c.intermediate_size),
         }
+    for name, bits in (quant_bits or {}).items():
+        tiles, k, tile = shapes[name]
+        shapes[f"{name}.q"] = (tiles, k, tile * bits // 8)
+        shapes[f"{name}.sm"] = (tiles, k // 32, 2, tile)
     return shapes
 
 
@@ -123,6 +172,7 @@ def build_llama_graph(
     make_collection: Callable[..., KVCacheCollection],
     device: DeviceRef,
     output: OutputKind = "tokens",
+    quant_bits: Mapping[str, int] | None = None,
 ) -> Graph:
     """The decoder as one MAX graph over a maxkv cache collection.
 
@@ -130,21 +180,28 @@ def build_llama_graph(
     ``[batch + 1]`` (both on ``device``), then ``cache_types`` (one device's
     cache inputs, turned into the collection by ``make_collection``).
     Output: see :data:`OutputKind`.  Weights are graph weights named and laid
-    out as :func:`graph_weights` does for ``device`` (packed on the CPU).
+    out as :func:`graph_weights` does for ``device`` (packed on the CPU);
+    ``quant_bits`` names the matrices that have a quantized copy
+    (:func:`quantized_bits` of that registry).
     """
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
     cfg = config
     packed = device.device_type == DeviceKind.CPU
-    shapes = graph_weight_shapes(cfg, packed=packed)
+    quant_bits = dict(quant_bits or {})
+    if quant_bits and not packed:
+        raise ValueError("quantized weight copies are read on the CPU only")
+    shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits)
 
     def weight(name: str) -> Weight:
-        return Weight(name, DType.float32, shapes[name], device)
+        dtype = DType.uint8 if name.endswith(".q") else DType.float32
+        return Weight(name, dtype, shapes[name], device)
 
     def linear(x: TensorValue, name: str, out_features: int) -> TensorValue:
         """``x @ w.T`` for the graph weight ``name`` (``[out_features, in]`` unpacked)."""
         if packed:
-            return kvops.linear_packed(x, weight(name), out_features)
+            quantized = (weight(f"{name}.q"), weight(f"{name}.sm")) if name in quant_bits else None
+            return kvops.linear_packed(x, weight(name), out_features, quantized)
         return x @ weight(name).T
 
     input_types = [
@@ -207,7 +264,12 @@ class LlamaModel:
     for the next decode step), or its float32 logits ``[batch, vocab]``.
 
     Weights are graph weights, so one compiled graph serves every model of
-    the same configuration, and the graph is independent of the cache's size.
+    the same configuration (and the same quantized copies), and the graph is
+    independent of the cache's size.  ``quantized`` (CPU): block-quantized
+    copies of the weights, as :meth:`maxkv.models.LoadedModel.quantized`
+    holds for GGUF files; those exactly equal to the float32 weights are read
+    by steps of at most 8 rows (see :func:`graph_weights`), with the same
+    results.
     """
 
     def __init__(
@@ -218,6 +280,7 @@ class LlamaModel:
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
+        quantized: Mapping[str, BlockQuantized] | None = None,
     ) -> None:
         params = cache_params(config, manager.params.dtype)
         if manager.params != params or manager.num_layers != config.num_hidden_layers:
@@ -232,7 +295,12 @@ class LlamaModel:
         self.output: OutputKind = output
         self.device = manager.devices[0]
         device = DeviceRef.from_device(self.device)
-        registry = graph_weights(config, weights, packed=device.device_type == DeviceKind.CPU)
+        packed = device.device_type == DeviceKind.CPU
+        registry = graph_weights(
+            config, weights, packed=packed, quantized=quantized if packed else None
+        )
+        #: Matrix name -> bits of the quantized copy small steps read.
+        self.quant_bits = quantized_bits(registry)
         graph = build_llama_graph(
             config,
             params,
@@ -240,6 +308,7 @@ class LlamaModel:
             manager.collection_fetcher(),
             device,
             output,
+            self.quant_bits,
         )
         self._model: Model = session.load(graph, weights_registry=registry)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..quantized import BlockQuantized
 from .config import LlamaConfig, Weights, default_llama
 from .fetch import KNOWN_MODELS, fetch
+from .gguf_file import read_gguf_quantized
 from .loading import load_llama, model_file
 from .tokenizer import ChatTokenizer, load_tokenizer
 
@@ -29,6 +31,10 @@ class LoadedModel:
     tokenizer: ChatTokenizer | None
     #: The file or directory loaded (``None`` for ``tiny``).
     path: Path | None
+    #: Block-quantized copies of the weights as a GGUF file stores them
+    #: (:func:`~maxkv.models.gguf_file.read_gguf_quantized`; empty otherwise):
+    #: pass them to :class:`~maxkv.models.LlamaModel` for faster small steps.
+    quantized: dict[str, BlockQuantized] = field(default_factory=dict)
 
     @property
     def description(self) -> str:
@@ -83,7 +89,9 @@ def open_model(
         return LoadedModel(TINY, config, weights, None, None)
     config, weights = load_llama(path, on_tensor)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
-    return LoadedModel(str(spec), config, weights, tokenizer, path)
+    source = model_file(path)
+    quantized = read_gguf_quantized(source) if source.is_file() else {}
+    return LoadedModel(str(spec), config, weights, tokenizer, path, quantized)
 
 
 def has_tokenizer(path: Path) -> bool:

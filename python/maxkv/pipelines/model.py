@@ -25,8 +25,9 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
 
 from ..manager import ContinuousBatchingKVCacheManager
+from ..models.gguf_file import read_gguf_quantized
 from ..models.llama import LlamaModel, cache_params
-from ..models.loading import load_llama
+from ..models.loading import load_llama, model_file
 
 logger = logging.getLogger("maxkv.pipelines")
 
@@ -92,7 +93,11 @@ class MaxkvLlamaPipelineModel(PipelineModelWithKVCache):
         self.maxkv_manager = ContinuousBatchingKVCacheManager(
             params, slots, max_seq_len, config.num_hidden_layers, self.devices, session
         )
-        self.llama = LlamaModel(config, weights, self.maxkv_manager, session, output="logits")
+        source = model_file(path)
+        quantized = read_gguf_quantized(source) if source.is_file() else None
+        self.llama = LlamaModel(
+            config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
+        )
         logger.info(
             "maxkv: %s, %d slots x %d tokens (%.1f MiB of cache)",
             path,

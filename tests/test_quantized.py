@@ -1,0 +1,184 @@
+"""Block-quantized weight copies: read from GGUF exactly, and read by the matmul bit-identically.
+
+References are independent of the code under test: ``gguf``'s own
+quantize/dequantize (through maxkv's float32 loader, itself checked against
+transformers in ``test_models``) for the blocks, and maxkv's float32
+``linear_packed`` (itself checked against NumPy) for the kernel, compared
+bit for bit, plus NumPy's matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.driver import Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType, Weight
+
+from maxkv import ops as kvops
+from maxkv.models import load_llama
+from maxkv.models.gguf_file import read_gguf_quantized
+from maxkv.models.llama import graph_weights, matrix_sources
+from maxkv.models.resolve import LoadedModel
+from maxkv.quantized import BlockQuantized, from_gguf_blocks
+
+from .gguf_helpers import TINY, hf_weights, write_llama_gguf
+
+# ------------------------------------------------------------------ from GGUF
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type: str) -> None:
+    weights = hf_weights(TINY, seed=5)
+    path = tmp_path / f"tiny-{matrix_type}.gguf"
+    write_llama_gguf(path, weights, matrix_type=matrix_type)
+    _, loaded = load_llama(path)  # gguf's dequantization, checked against transformers
+    quantized = read_gguf_quantized(path)
+    matrices = sorted(n for n, a in weights.items() if a.ndim == 2)
+    assert sorted(quantized) == matrices
+    for name, copy in quantized.items():
+        assert copy.bits == (8 if matrix_type == "Q8_0" else 4)
+        np.testing.assert_array_equal(copy.dequantize(), loaded[name], err_msg=name)
+        assert copy.exactly(loaded[name]), name
+
+
+def test_other_types_are_left_out(tmp_path: Path) -> None:
+    weights = hf_weights(TINY, seed=6)
+    path = tmp_path / "tiny-mixed.gguf"
+    write_llama_gguf(path, weights, matrix_type="Q8_0", overrides={"blk.0.ffn_down.weight": "F16"})
+    quantized = read_gguf_quantized(path)
+    assert "model.layers.0.mlp.down_proj.weight" not in quantized
+    assert "model.layers.1.mlp.down_proj.weight" in quantized
+
+
+def test_exactly_refuses_any_other_weight() -> None:
+    rng = np.random.default_rng(0)
+    copy = _random_copy(rng, 40, 64, 4)
+    weight = copy.dequantize()
+    assert copy.exactly(weight)
+    changed = weight.copy()
+    changed[3, 17] = np.nextafter(changed[3, 17], np.float32(np.inf))
+    assert not copy.exactly(changed)
+    assert not copy.exactly(weight[:, :32])
+    assert not copy.exactly(weight.astype(np.float64))
+    # A scale whose products are not exact in float32 cannot be rounded once.
+    inexact = BlockQuantized(copy.q, copy.scale * np.float32(1 + 2**-20), copy.offset, 4)
+    assert not inexact.exactly(inexact.dequantize())
+
+
+def test_bad_blocks_are_refused() -> None:
+    q = np.zeros((2, 64), np.uint8)
+    scale = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="bits"):
+        BlockQuantized(q, scale, scale, 5)
+    with pytest.raises(ValueError, match="multiple"):
+        BlockQuantized(q[:, :48], scale, scale, 8)
+    with pytest.raises(ValueError, match="above 15"):
+        BlockQuantized(q + 16, scale, scale, 4)
+    with pytest.raises(ValueError, match="scale"):
+        BlockQuantized(q, scale[:, :1], scale, 8)
+    with pytest.raises(ValueError, match="cannot read Q5_0"):
+        from_gguf_blocks("Q5_0", np.zeros(44, np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="bytes"):
+        from_gguf_blocks("Q8_0", np.zeros(33, np.uint8), (1, 32))
+
+
+def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
+    config = smollm2.config
+    registry = graph_weights(config, smollm2.weights, packed=True, quantized=smollm2.quantized)
+    names = set(matrix_sources(config, packed=True))
+    assert {n[: -len(".q")] for n in registry if n.endswith(".q")} == names
+    q_bytes = sum(a.nbytes for n, a in registry.items() if n.endswith((".q", ".sm")))
+    f32_bytes = sum(registry[n].nbytes for n in names)
+    assert q_bytes < f32_bytes / 4
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+def _random_copy(rng: np.random.Generator, n: int, k: int, bits: int) -> BlockQuantized:
+    """Scales and offsets are float16 values, so every ``q * scale`` is exact in float32."""
+    q = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    scale = (rng.uniform(0.001, 0.05, (n, k // 32))).astype(np.float16).astype(np.float32)
+    offset = (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
+    return BlockQuantized(q, scale, offset, bits)
+
+
+_N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
+
+
+@pytest.fixture(scope="module")
+def linear_models(
+    session: InferenceSession, kernels: Path
+) -> Callable[[int], tuple[Model, Model, np.ndarray]]:
+    """Per bits: (float32 linear_packed, quantized linear_packed, the weight), any M."""
+    built: dict[int, tuple[Model, Model, np.ndarray]] = {}
+    device = DeviceRef.CPU()
+
+    def build(bits: int) -> tuple[Model, Model, np.ndarray]:
+        if bits not in built:
+            copy = _random_copy(np.random.default_rng(bits), _N, _K, bits)
+            weight = copy.dequantize()
+            assert copy.exactly(weight)
+            q, sm = copy.pack()
+            registry = {"w": kvops.pack_linear_weight(weight), "q": q, "sm": sm}
+            models = []
+            for quant in (False, True):
+                x_type = TensorType(DType.float32, ["m", _K], device)
+                name = f"lin_{bits}_{quant}"
+                with Graph(name, input_types=[x_type], custom_extensions=[kernels]) as g:
+                    w = Weight("w", DType.float32, registry["w"].shape, device)
+                    quantized = None
+                    if quant:
+                        quantized = (
+                            Weight("q", DType.uint8, q.shape, device),
+                            Weight("sm", DType.float32, sm.shape, device),
+                        )
+                    g.output(kvops.linear_packed(g.inputs[0].tensor, w, _N, quantized))
+                used = registry if quant else {"w": registry["w"]}
+                models.append(session.load(g, weights_registry=used))
+            built[bits] = (models[0], models[1], weight)
+        return built[bits]
+
+    return build
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_matmul_is_bit_identical_to_float32(
+    linear_models: Callable[[int], tuple[Model, Model, np.ndarray]], bits: int
+) -> None:
+    f32, quant, weight = linear_models(bits)
+    rng = np.random.default_rng(10 + bits)
+    for m in (1, 2, 3, 4, 5, 8, 9, 33):  # <= 8 rows read the quantized copy
+        x = rng.standard_normal((m, _K)).astype(np.float32)
+        expected = f32.execute(Buffer.from_numpy(x))[0].to_numpy()
+        got = quant.execute(Buffer.from_numpy(x))[0].to_numpy()
+        assert got.shape == (m, _N)
+        np.testing.assert_array_equal(got, expected, err_msg=f"M={m}")
+        reference = x.astype(np.float64) @ weight.T.astype(np.float64)
+        bound = 1e-5 * (np.abs(x) @ np.abs(weight).T)  # > 96 float32 roundings of the sum
+        assert np.all(np.abs(got - reference) <= bound), f"M={m}"
+
+
+def test_quantized_matmul_refuses_mismatched_copies() -> None:
+    device = DeviceRef.CPU()
+    copy = _random_copy(np.random.default_rng(1), _N, _K, 4)
+    q, sm = copy.pack()
+    with Graph("bad_q", input_types=[TensorType(DType.float32, [2, _K], device)]) as g:
+        w = Weight("w", DType.float32, (4, _K, 64), device)
+        good_q = Weight("q", DType.uint8, q.shape, device)
+        good_sm = Weight("sm", DType.float32, sm.shape, device)
+        x = g.inputs[0].tensor
+        narrow_q = Weight("q2", DType.uint8, (4, _K, 16), device)
+        short_sm = Weight("s2", DType.float32, (4, 2, 2, 64), device)
+        float_q = Weight("q3", DType.float32, q.shape, device)
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.linear_packed(x, w, _N, (narrow_q, good_sm))
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.linear_packed(x, w, _N, (good_q, short_sm))
+        with pytest.raises(ValueError, match="dtype uint8"):
+            kvops.linear_packed(x, w, _N, (float_q, good_sm))
