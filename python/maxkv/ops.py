@@ -15,6 +15,7 @@ must load :func:`maxkv.kernels_path` as a custom extension.
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 import numpy as np
@@ -578,6 +579,126 @@ def linear_packed(
         device=x.device,
         values=values,
         out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],
+    )[0].tensor
+
+
+def greedy_head_supported() -> bool:
+    """Whether this host's CPU runs :func:`greedy_head` (x86 with AVX-512 VNNI).
+
+    Read from ``/proc/cpuinfo`` (Linux); ``MAXKV_GREEDY_HEAD=0`` turns the
+    op off (models then compute every logit and take their argmax).
+    """
+    if os.environ.get("MAXKV_GREEDY_HEAD", "1") == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_vnni" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def pack_greedy_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 copy and error bounds :func:`greedy_head` reads for an LM head.
+
+    Each row of the float32 ``weight`` ``[N, K]`` becomes ``t q``, ``q`` int8
+    in ``[-127, 127]``, ``t = max|row| / 127``: an approximation whose error
+    the op bounds, not a replacement (the op's tokens come from the float32
+    weights).
+
+    Returns:
+        ``q`` uint8 ``[ceil(N / 64), K / 4, 256]`` (the int8 bytes; tile *t*,
+        group of four columns *g*, then 4 x 16 rows of 4 bytes, as VPDPBUSD
+        reads them) and ``info`` float32 ``[4, 64 ceil(N / 64)]``: per row
+        ``t``, ``|w|``, ``|w - t q|`` (both from float64 and rounded up) and
+        ``sum(q)``.  Padding rows past ``N`` get ``|w| = 1e30`` so that
+        their bounds never decide anything.
+
+    Raises:
+        ValueError: If ``weight`` is not a finite ``[N, K]`` matrix with
+            ``K`` a multiple of 4.
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % 4 or not w.size:
+        raise ValueError(f"weight must be [N, K] with K a multiple of 4, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("weight has non-finite values")
+    n, k = w.shape
+    tiles = -(-n // PACKED_TILE)
+    q = np.zeros((tiles * PACKED_TILE, k), np.int8)
+    info = np.zeros((4, tiles * PACKED_TILE), np.float32)
+    info[1, n:] = 1e30
+    for start in range(0, n, 4096):  # bounded float64 temporaries
+        rows = w[start : start + 4096]
+        t = np.abs(rows).max(axis=1) / np.float32(127)
+        t[t == 0] = 1
+        qr = np.clip(np.rint(rows / t[:, None]), -127, 127)
+        err = rows.astype(np.float64) - t[:, None].astype(np.float64) * qr
+        up = np.float32(1 + 2**-20)
+        end = start + len(rows)
+        q[start:end] = qr
+        info[0, start:end] = t
+        info[1, start:end] = np.linalg.norm(rows.astype(np.float64), axis=1).astype(np.float32) * up
+        info[2, start:end] = np.linalg.norm(err, axis=1).astype(np.float32) * up
+        info[3, start:end] = qr.sum(axis=1)
+    packed = q.reshape(tiles, 4, 16, k // 4, 4).transpose(0, 3, 1, 2, 4)
+    return np.ascontiguousarray(packed.reshape(tiles, k // 4, 4 * PACKED_TILE)).view(np.uint8), info
+
+
+def greedy_head(
+    x: TensorValue,
+    w_packed: TensorValue,
+    q: TensorValue,
+    info: TensorValue,
+    vocab: int,
+) -> TensorValue:
+    """``argmax(x @ w.T, axis=-1)``, exactly, without every float32 logit (CPU).
+
+    The same token per row as :func:`linear_packed` then an argmax (first
+    index on ties), from int8 VNNI approximations with a rigorous error
+    bound and float32 logits only for the tiles that bound cannot rule out
+    (see ``mojo_ops/greedy_head.mojo``).  Needs
+    :func:`greedy_head_supported`.
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU.
+        w_packed: the head, float32 ``[ceil(vocab / 64), K, 64]``
+            (:func:`pack_linear_weight`).
+        q, info: :func:`pack_greedy_head` of the same head.
+        vocab: ``N``, the head's rows.
+
+    Returns:
+        int64 ``[M]``.
+    """
+    _check_tensor("x", x, DType.float32, 2)
+    _check_tensor("w_packed", w_packed, DType.float32, 3)
+    _check_tensor("q", q, DType.uint8, 3)
+    _check_tensor("info", info, DType.float32, 2)
+    for name, value in (("x", x), ("w_packed", w_packed), ("q", q), ("info", info)):
+        if value.device.device_type != DeviceKind.CPU:
+            raise ValueError(f"greedy_head runs on CPU; {name} is on {value.device}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab must be a positive int, got {vocab!r}")
+    k = _static_dim("x", x, 1)
+    tiles = -(-vocab // PACKED_TILE)
+    shapes = {
+        "w_packed": ([_static_dim("w_packed", w_packed, i) for i in range(3)], [tiles, k, 64]),
+        "q": ([_static_dim("q", q, i) for i in range(3)], [tiles, k // 4, 4 * PACKED_TILE]),
+        "info": ([_static_dim("info", info, i) for i in range(2)], [4, tiles * PACKED_TILE]),
+    }
+    if k % 4:
+        raise ValueError(f"greedy_head needs K a multiple of 4, got {k}")
+    for name, (got, want) in shapes.items():
+        if got != want:
+            raise ValueError(f"{name} {got} does not match a [{vocab}, {k}] head (expected {want})")
+    return ops.custom(
+        "maxkv.greedy_head",
+        device=x.device,
+        values=[x, w_packed, q, info],
+        out_types=[TensorType(DType.int64, [x.shape[0]], x.device)],
+        parameters={"vocab": vocab},
     )[0].tensor
 
 

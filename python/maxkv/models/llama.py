@@ -66,6 +66,7 @@ def graph_weights(
     *,
     packed: bool,
     quantized: Mapping[str, BlockQuantized] | None = None,
+    greedy_head: bool = False,
 ) -> dict[str, np.ndarray]:
     """The weights as :func:`build_llama_graph` names and lays them out.
 
@@ -83,6 +84,10 @@ def graph_weights(
     exactly its float32 values (checked weight by weight), also gets
     ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`), which
     small decode steps read instead.
+
+    ``greedy_head`` (CPU only): also ``lm_head.greedy_q`` and
+    ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
+    for graphs that output tokens through :func:`maxkv.ops.greedy_head`.
 
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
@@ -109,13 +114,25 @@ def graph_weights(
             if copy.exactly(matrix):
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
                 quant_bits[name] = copy.bits
+    if greedy_head:
+        if not packed:
+            raise ValueError("the greedy head's int8 copy is read on the CPU only")
+        head = matrix_sources(config, packed=True)["lm_head"][0]
+        out["lm_head.greedy_q"], out["lm_head.greedy_info"] = kvops.pack_greedy_head(w[head])
     prepared = {
-        name: np.ascontiguousarray(a, dtype=np.uint8 if name.endswith(".q") else np.float32)
+        name: np.ascontiguousarray(a, dtype=_weight_dtype(name).to_numpy())
         for name, a in out.items()
     }
-    expected = graph_weight_shapes(config, packed=packed, quant_bits=quant_bits)
+    expected = graph_weight_shapes(
+        config, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head
+    )
     assert {n: a.shape for n, a in prepared.items()} == expected, "graph weight layout drifted"
     return prepared
+
+
+def _weight_dtype(name: str) -> DType:
+    """The dtype of graph weight ``name``: uint8 for the quantized copies."""
+    return DType.uint8 if name.endswith((".q", ".greedy_q")) else DType.float32
 
 
 def quantized_bits(registry: Mapping[str, np.ndarray]) -> dict[str, int]:
@@ -128,11 +145,16 @@ def quantized_bits(registry: Mapping[str, np.ndarray]) -> dict[str, int]:
 
 
 def graph_weight_shapes(
-    config: LlamaConfig, *, packed: bool, quant_bits: Mapping[str, int] | None = None
+    config: LlamaConfig,
+    *,
+    packed: bool,
+    quant_bits: Mapping[str, int] | None = None,
+    greedy_head: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`).
 
-    ``quant_bits``: matrix name -> 4 or 8 for the matrices with a quantized copy.
+    ``quant_bits``: matrix name -> 4 or 8 for the matrices with a quantized copy;
+    ``greedy_head``: with the head's int8 copy for :func:`maxkv.ops.greedy_head`.
     """
     c = config
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
@@ -162,6 +184,10 @@ def graph_weight_shapes(
         tiles, k, tile = shapes[name]
         shapes[f"{name}.q"] = (tiles, k, tile * bits // 8)
         shapes[f"{name}.sm"] = (tiles, k // 32, 2, tile)
+    if greedy_head:
+        tiles = -(-c.vocab_size // kvops.PACKED_TILE)
+        shapes["lm_head.greedy_q"] = (tiles, c.hidden_size // 4, 4 * kvops.PACKED_TILE)
+        shapes["lm_head.greedy_info"] = (4, tiles * kvops.PACKED_TILE)
     return shapes
 
 
@@ -173,6 +199,7 @@ def build_llama_graph(
     device: DeviceRef,
     output: OutputKind = "tokens",
     quant_bits: Mapping[str, int] | None = None,
+    greedy_head: bool = False,
 ) -> Graph:
     """The decoder as one MAX graph over a maxkv cache collection.
 
@@ -182,7 +209,10 @@ def build_llama_graph(
     Output: see :data:`OutputKind`.  Weights are graph weights named and laid
     out as :func:`graph_weights` does for ``device`` (packed on the CPU);
     ``quant_bits`` names the matrices that have a quantized copy
-    (:func:`quantized_bits` of that registry).
+    (:func:`quantized_bits` of that registry).  ``greedy_head`` (CPU,
+    ``output="tokens"``): the next tokens come from
+    :func:`maxkv.ops.greedy_head` (the same tokens as the argmax of every
+    logit, see there); the registry then holds its weights.
     """
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
@@ -191,11 +221,12 @@ def build_llama_graph(
     quant_bits = dict(quant_bits or {})
     if quant_bits and not packed:
         raise ValueError("quantized weight copies are read on the CPU only")
-    shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits)
+    if greedy_head and (not packed or output != "tokens"):
+        raise ValueError("greedy_head needs a CPU graph that outputs tokens")
+    shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head)
 
     def weight(name: str) -> Weight:
-        dtype = DType.uint8 if name.endswith(".q") else DType.float32
-        return Weight(name, dtype, shapes[name], device)
+        return Weight(name, _weight_dtype(name), shapes[name], device)
 
     def linear(x: TensorValue, name: str, out_features: int) -> TensorValue:
         """``x @ w.T`` for the graph weight ``name`` (``[out_features, in]`` unpacked)."""
@@ -243,6 +274,17 @@ def build_llama_graph(
         last = ops.rebind(offsets[1:] - 1, ["batch_size"])
         h_last = ops.gather(h, ops.cast(last, DType.int64), axis=0)
         h_last = ops.rms_norm(h_last, weight("norm"), epsilon=cfg.rms_norm_eps)
+        if greedy_head:
+            g.output(
+                kvops.greedy_head(
+                    h_last,
+                    weight("lm_head"),
+                    weight("lm_head.greedy_q"),
+                    weight("lm_head.greedy_info"),
+                    cfg.vocab_size,
+                )
+            )
+            return g
         if packed or not cfg.tie_word_embeddings:
             logits = linear(h_last, "lm_head", cfg.vocab_size)
         else:
@@ -269,7 +311,9 @@ class LlamaModel:
     copies of the weights, as :meth:`maxkv.models.LoadedModel.quantized`
     holds for GGUF files; those exactly equal to the float32 weights are read
     by steps of at most 8 rows (see :func:`graph_weights`), with the same
-    results.
+    results.  With ``output="tokens"`` on a CPU with AVX-512 VNNI the tokens
+    come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the same
+    tokens as the argmax of every logit at a fraction of the LM head's work.
     """
 
     def __init__(
@@ -296,8 +340,19 @@ class LlamaModel:
         self.device = manager.devices[0]
         device = DeviceRef.from_device(self.device)
         packed = device.device_type == DeviceKind.CPU
+        #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
+        self.greedy_head = (
+            packed
+            and output == "tokens"
+            and config.hidden_size % 4 == 0
+            and kvops.greedy_head_supported()
+        )
         registry = graph_weights(
-            config, weights, packed=packed, quantized=quantized if packed else None
+            config,
+            weights,
+            packed=packed,
+            quantized=quantized if packed else None,
+            greedy_head=self.greedy_head,
         )
         #: Matrix name -> bits of the quantized copy small steps read.
         self.quant_bits = quantized_bits(registry)
@@ -309,6 +364,7 @@ class LlamaModel:
             device,
             output,
             self.quant_bits,
+            self.greedy_head,
         )
         self._model: Model = session.load(graph, weights_registry=registry)
 
