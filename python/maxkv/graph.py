@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, ops
-from max.graph.type import DeviceKind, _OpaqueType
+from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
 from .params import KVCacheParams
@@ -172,6 +172,16 @@ def _check_static_dim(name: str, value: TensorValue, axis: int, expected: int, w
         raise ValueError(f"{name} dim {axis} must be {what} = {expected}, got {actual}")
 
 
+def same_device(a: DeviceRef, b: DeviceRef) -> bool:
+    """Whether ``a`` and ``b`` name the same device.
+
+    MAX 26.7's ``DeviceRef ==`` cannot be used: ``DeviceKind`` is a frozen
+    dataclass over a ``str`` enum whose generated ``__eq__`` finds every kind
+    equal, so ``DeviceRef.GPU() == DeviceRef.CPU()`` is true.
+    """
+    return bool(a.is_cpu() == b.is_cpu() and a.id == b.id)
+
+
 def _check_cache_inputs(
     params: KVCacheParams,
     storage: tuple[str, TensorValue],
@@ -193,12 +203,13 @@ def _check_cache_inputs(
     )
     _check_static_dim(storage_name, blocks, 5, params.head_dim, "head_dim")
     _check_static_dim("max_lengths", max_lengths, 1, 2, "(max new tokens, max cache length)")
-    if max_lengths.device.device_type != DeviceKind.CPU:
+    if not max_lengths.device.is_cpu():
         raise ValueError(f"max_lengths must live on the host, got {max_lengths.device}")
     for name, value in (("cache_lengths", cache_lengths), (table_name, table_value)):
-        if value.device != blocks.device:
+        if not same_device(value.device, blocks.device):
             raise ValueError(
-                f"{name} must be on the {storage_name}' device {blocks.device}, got {value.device}"
+                f"{name} must be on the device of {storage_name}, {blocks.device}, "
+                f"got {value.device}"
             )
 
 

@@ -22,9 +22,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
-from max.graph.type import DeviceKind
 
-from .graph import BATCH_DIM, KVCacheCollection
+from .graph import BATCH_DIM, KVCacheCollection, same_device
 from .params import KVCacheParams
 
 
@@ -122,7 +121,7 @@ def _static_dim(name: str, value: TensorValue, axis: int) -> int:
 
 def _check_row_offsets(input_row_offsets: object, device: DeviceRef) -> TensorValue:
     offsets = _check_tensor("input_row_offsets", input_row_offsets, DType.uint32, 1)
-    if offsets.device != device:
+    if not same_device(offsets.device, device):
         raise ValueError(f"input_row_offsets must be on {device}, got {offsets.device}")
     return offsets
 
@@ -131,7 +130,7 @@ def _layer_index(layer_idx: int | TensorValue) -> TensorValue:
     """``layer_idx`` as the uint32 host scalar the Mojo ops read."""
     if isinstance(layer_idx, TensorValue):
         _check_tensor("layer_idx", layer_idx, DType.uint32, 0)
-        if layer_idx.device.device_type != DeviceKind.CPU:
+        if not layer_idx.device.is_cpu():
             raise ValueError(f"layer_idx must live on the host, got {layer_idx.device}")
         return layer_idx
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)):
@@ -171,7 +170,7 @@ def _check_query(
     _query_heads(params, "input", _static_dim("input", query, 1))
     if _static_dim("input", query, 2) != params.head_dim:
         raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {query.shape[2]}")
-    if query.device != device:
+    if not same_device(query.device, device):
         raise ValueError(f"input must be on {device}, got {query.device}")
     return device, offsets
 
@@ -213,7 +212,7 @@ def fused_qkv_ragged_matmul(
     _check_tensor("wqkv", wqkv, params.dtype, 2)
     offsets = _check_row_offsets(input_row_offsets, device)
     for name, value in (("input", input), ("wqkv", wqkv)):
-        if value.device != device:
+        if not same_device(value.device, device):
             raise ValueError(f"{name} must be on {device}, got {value.device}")
     rows = _static_dim("wqkv", wqkv, 0)
     kv_width = params.n_kv_heads_per_device * params.head_dim
@@ -274,7 +273,7 @@ def fused_qk_ragged_rope(
         raise ValueError(
             f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
         )
-    if freqs_cis.device != device:
+    if not same_device(freqs_cis.device, device):
         raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
@@ -384,7 +383,7 @@ def store_kv_ragged(
     """
     _check_collection(params, kv_collection)
     device = kv_collection.device
-    if device.device_type != DeviceKind.CPU:
+    if not device.is_cpu():
         raise ValueError("store_kv_ragged runs on CPU; use fused_qkv_ragged_matmul on GPU")
     _check_tensor("qkv", qkv, params.dtype, 2)
     offsets = _check_row_offsets(input_row_offsets, device)
@@ -397,7 +396,7 @@ def store_kv_ragged(
             f" * {params.head_dim}"
         )
     _query_heads(params, "qkv", q_width // params.head_dim)
-    if qkv.device != device:
+    if not same_device(qkv.device, device):
         raise ValueError(f"qkv must be on {device}, got {qkv.device}")
     return ops.inplace_custom(
         kv_collection.op_name("store_kv_ragged"),
@@ -436,14 +435,14 @@ def write_kv_ragged(
     """
     collection = _check_collection(params, kv_collection)
     device = collection.device
-    if device.device_type != DeviceKind.CPU:
+    if not device.is_cpu():
         raise ValueError("write_kv_ragged runs on CPU")
     kv_width = params.n_kv_heads_per_device * params.head_dim
     for name, value in (("keys", keys), ("values", values)):
         _check_tensor(name, value, params.dtype, 2)
         if _static_dim(name, value, 1) != kv_width:
             raise ValueError(f"{name} dim 1 must be n_kv_heads_per_device * head_dim = {kv_width}")
-        if value.device != device:
+        if not same_device(value.device, device):
             raise ValueError(f"{name} must be on {device}, got {value.device}")
     offsets = _check_row_offsets(input_row_offsets, device)
     return ops.inplace_custom(
@@ -478,10 +477,10 @@ def copy_tokens(
     """
     collection = _check_collection(params, kv_collection)
     device = collection.device
-    if device.device_type != DeviceKind.CPU:
+    if not device.is_cpu():
         raise ValueError("copy_tokens runs on CPU")
     _check_tensor("token_range", token_range, DType.uint32, 1)
-    if token_range.device.device_type != DeviceKind.CPU:
+    if not token_range.device.is_cpu():
         raise ValueError(f"token_range must live on the host, got {token_range.device}")
     return ops.inplace_custom(
         collection.op_name("copy_tokens"),
@@ -549,7 +548,7 @@ def linear_packed(
         _check_tensor("sm", sm, DType.float32, 4)
         values += [q, sm]
     for name, value in zip(("x", "w_packed", "q", "sm")[: len(values)], values, strict=True):
-        if value.device.device_type != DeviceKind.CPU:
+        if not value.device.is_cpu():
             raise ValueError(f"linear_packed runs on CPU; {name} is on {value.device}")
     if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
         raise ValueError(f"out_features must be a positive int, got {out_features!r}")
@@ -677,7 +676,7 @@ def greedy_head(
     _check_tensor("q", q, DType.uint8, 3)
     _check_tensor("info", info, DType.float32, 2)
     for name, value in (("x", x), ("w_packed", w_packed), ("q", q), ("info", info)):
-        if value.device.device_type != DeviceKind.CPU:
+        if not value.device.is_cpu():
             raise ValueError(f"greedy_head runs on CPU; {name} is on {value.device}")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"vocab must be a positive int, got {vocab!r}")
@@ -712,7 +711,7 @@ def swiglu(gate_up: TensorValue) -> TensorValue:
         float32 ``[tokens, intermediate]``.
     """
     _check_tensor("gate_up", gate_up, DType.float32, 2)
-    if gate_up.device.device_type != DeviceKind.CPU:
+    if not gate_up.device.is_cpu():
         raise ValueError(f"swiglu runs on CPU; gate_up is on {gate_up.device}")
     width = _static_dim("gate_up", gate_up, 1)
     if width % 2:

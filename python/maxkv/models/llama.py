@@ -17,7 +17,6 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
-from max.graph.type import DeviceKind
 
 from .. import ops as kvops
 from ..graph import KVCacheCollection
@@ -217,7 +216,7 @@ def build_llama_graph(
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
     cfg = config
-    packed = device.device_type == DeviceKind.CPU
+    packed = device.is_cpu()
     quant_bits = dict(quant_bits or {})
     if quant_bits and not packed:
         raise ValueError("quantized weight copies are read on the CPU only")
@@ -339,7 +338,7 @@ class LlamaModel:
         self.output: OutputKind = output
         self.device = manager.devices[0]
         device = DeviceRef.from_device(self.device)
-        packed = device.device_type == DeviceKind.CPU
+        packed = device.is_cpu()
         #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
         self.greedy_head = (
             packed

@@ -1,0 +1,87 @@
+"""Device placement, checked by building graphs (no GPU needed, nothing compiles).
+
+MAX 26.7's ``DeviceRef ==`` finds every device kind equal (``DeviceKind`` is a
+frozen dataclass over a ``str`` enum), so a GPU graph once took maxkv's
+CPU-only kernels and device mismatches went unnoticed; these tests pin the
+placement decisions that an H100 run exposed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType
+
+from maxkv import FetchContinuousBatchingKVCacheCollection, KVCacheParams
+from maxkv import ops as kvops
+from maxkv.graph import BATCH_DIM, same_device
+from maxkv.models.config import default_llama
+from maxkv.models.llama import build_llama_graph, cache_params
+
+GPU, CPU = DeviceRef.GPU(), DeviceRef.CPU()
+
+
+def test_same_device_tells_kinds_and_ids_apart() -> None:
+    assert same_device(GPU, DeviceRef.GPU(0))
+    assert same_device(CPU, DeviceRef.CPU())
+    assert not same_device(GPU, CPU)
+    assert not same_device(DeviceRef.GPU(0), DeviceRef.GPU(1))
+
+
+def cache_types(params: KVCacheParams, layers: int, device: DeviceRef) -> list[TensorType]:
+    blocks = ["slots", 2, layers, "seq", params.n_kv_heads_per_device, params.head_dim]
+    return [
+        TensorType(params.dtype, blocks, device),
+        TensorType(DType.uint32, [BATCH_DIM], device),
+        TensorType(DType.uint32, [BATCH_DIM], device),
+        TensorType(DType.uint32, ["num_steps", 2], CPU),
+    ]
+
+
+def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> None:
+    config, _ = default_llama()
+    params = cache_params(config)
+    types = cache_types(params, config.num_hidden_layers, GPU)
+    graph = build_llama_graph(
+        config, params, types, FetchContinuousBatchingKVCacheCollection(params), GPU
+    )
+    text = str(graph)
+    assert "maxkv.fused_qkv_ragged_matmul" in text
+    for cpu_only in ("linear_packed", "store_kv_ragged", "swiglu", "greedy_head"):
+        assert f"maxkv.{cpu_only}" not in text, cpu_only
+    with pytest.raises(ValueError, match="greedy_head needs a CPU graph"):
+        build_llama_graph(
+            config,
+            params,
+            types,
+            FetchContinuousBatchingKVCacheCollection(params),
+            GPU,
+            greedy_head=True,
+        )
+
+
+def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
+    params = KVCacheParams(DType.float32, 2, 16)
+    types = [
+        *cache_types(params, 2, GPU),
+        TensorType(DType.float32, ["t", 32], GPU),
+        TensorType(DType.float32, [4, 32, 64], GPU),
+    ]
+    with Graph("gpu_refusals", input_types=types, custom_extensions=[kernels]) as graph:
+        *cache, x, w = (v.tensor for v in graph.inputs)
+        kv = FetchContinuousBatchingKVCacheCollection(params)(*cache)
+        with pytest.raises(ValueError, match="linear_packed runs on CPU; x is on"):
+            kvops.linear_packed(x, w, 64)
+        with pytest.raises(ValueError, match="store_kv_ragged runs on CPU"):
+            kvops.store_kv_ragged(params, x, x, kv, 0)
+
+
+def test_cache_inputs_on_different_devices_are_refused() -> None:
+    params = KVCacheParams(DType.float32, 2, 16)
+    types = cache_types(params, 2, CPU)
+    types[1] = TensorType(DType.uint32, [BATCH_DIM], GPU)
+    with Graph("split_devices", input_types=types) as graph:
+        with pytest.raises(ValueError, match="cache_lengths must be on the device of blocks"):
+            FetchContinuousBatchingKVCacheCollection(params)(*(v.tensor for v in graph.inputs))
