@@ -1,7 +1,7 @@
 """maxkv's attention ops on a GPU, against the NumPy reference of the test suite.
 
-    python benchmarks/gpu_attention_check.py [--shape small|smollm2] [--device gpu|cpu]
-                                             [--cache contiguous|paged|both]
+    python benchmarks/gpu_attention_check.py [--shape small|smollm2|h64g1|h16g3]
+        [--device gpu|cpu] [--cache contiguous|paged|both] [--weight-scale 0.25]
 
 For each cache kind: one graph (fused QKV matmul -> RoPE ->
 flash attention, layer index as an input) is compiled on the device, then four
@@ -9,6 +9,10 @@ steps (a ragged prefill, two decode steps, a ragged extension) run over two
 layers, and the rotated Q and the attention output are compared with
 ``tests/reference.py`` in float64.  Prints the compile time and the largest
 absolute difference per cache kind and output; exits 1 on any failure.
+``h64g1`` (head_dim 64, one query head per KV head) and ``h16g3`` (head_dim
+16, three) split SmolLM2's shape (head_dim 64, three) in two;
+``--weight-scale`` scales the random QKV weights (the attention logits grow
+with its square).
 ``--device cpu`` runs the same check without a GPU.
 """
 
@@ -37,7 +41,12 @@ from maxkv.paged_manager import PagedKVCacheManager
 from maxkv.protocol import KVCacheManagerBase
 
 #: (query heads, KV heads, head_dim, hidden) per --shape.
-SHAPES = {"small": (4, 2, 16, 32), "smollm2": (9, 3, 64, 576)}
+SHAPES = {
+    "small": (4, 2, 16, 32),
+    "smollm2": (9, 3, 64, 576),
+    "h64g1": (3, 3, 64, 192),
+    "h16g3": (6, 2, 16, 96),
+}
 LAYERS, POSITIONS, THETA = 2, 64, 10000.0
 STEPS = ([5, 3, 7], [1, 1, 1], [1, 1, 1], [2, 1, 4])
 
@@ -73,7 +82,9 @@ def build(
     return session.load(g)
 
 
-def check(kind: str, shape: tuple[int, int, int, int], device: Device) -> dict[str, float]:
+def check(
+    kind: str, shape: tuple[int, int, int, int], device: Device, weight_scale: float = 0.25
+) -> dict[str, float]:
     """Largest |device - NumPy| per output (rotated Q, attention) over every step and layer."""
     heads, kv_heads, head_dim, hidden = shape
     session = InferenceSession(devices=[CPU(), device])
@@ -84,7 +95,9 @@ def check(kind: str, shape: tuple[int, int, int, int], device: Device) -> dict[s
     rng = np.random.default_rng(0)
     reference = ReferenceLayerCache()
     rows = (heads + 2 * kv_heads) * head_dim
-    wqkv = [rng.standard_normal((rows, hidden)).astype(np.float32) * 0.25 for _ in range(LAYERS)]
+    wqkv = [
+        rng.standard_normal((rows, hidden)).astype(np.float32) * weight_scale for _ in range(LAYERS)
+    ]
     freqs = kvops.rope_freqs_cis(head_dim, POSITIONS, THETA)
     seqs, worst = manager.claim(3), {"q": 0.0, "attention": 0.0}
     for new in STEPS:
@@ -112,12 +125,15 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--cache", choices=["contiguous", "paged", "both"], default="both")
+    parser.add_argument(
+        "--weight-scale", type=float, default=0.25, help="random QKV weights' scale"
+    )
     args = parser.parse_args()
     device: Device = Accelerator() if args.device == "gpu" else CPU()
     failed = False
     for kind in ("contiguous", "paged") if args.cache == "both" else (args.cache,):
         try:
-            worst = check(kind, SHAPES[args.shape], device)
+            worst = check(kind, SHAPES[args.shape], device, args.weight_scale)
             diffs = ", ".join(f"{name} {value:.2e}" for name, value in worst.items())
             print(f"{kind}: max |{args.device} - numpy|: {diffs}", flush=True)
         except Exception:  # report every cache kind, then fail

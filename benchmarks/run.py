@@ -149,8 +149,8 @@ def _end_to_end_real(
         session,
         device,
         [8] if quick else [1, 8, 32],
-        read_bandwidth_gbps=machine["read_bandwidth_GBps"],
-        matmul_gflops=machine["matmul_GFLOPs"],
+        read_bandwidth_gbps=machine.get("read_bandwidth_GBps"),
+        matmul_gflops=machine.get("matmul_GFLOPs"),
         repeats=3,
         log=log,
     )

@@ -85,3 +85,31 @@ def test_cache_inputs_on_different_devices_are_refused() -> None:
     with Graph("split_devices", input_types=types) as graph:
         with pytest.raises(ValueError, match="cache_lengths must be on the device of blocks"):
             FetchContinuousBatchingKVCacheCollection(params)(*(v.tensor for v in graph.inputs))
+
+
+def test_row_copies_are_refused_up_front_where_they_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fork, prefix caching and n > 1 copy cache rows, a CPU-only kernel: a GPU cache
+    refuses them with a clear error before anything changes (a CPU cache stands in
+    for the GPU one here by reporting ``copies_supported`` False)."""
+    from max.driver import CPU as HostCPU
+    from max.engine import InferenceSession
+
+    from maxkv import ContinuousBatchingKVCacheManager
+
+    session = InferenceSession(devices=[HostCPU()])
+    params = KVCacheParams(DType.float32, 2, 16)
+    manager = ContinuousBatchingKVCacheManager(params, 4, 32, 2, [HostCPU()], session)
+    assert manager.copies_supported
+    monkeypatch.setattr(
+        ContinuousBatchingKVCacheManager, "copies_supported", property(lambda self: False)
+    )
+    (seq,) = manager.claim(1)
+    with pytest.raises(ValueError, match="fork copies cache rows, which maxkv does on the CPU"):
+        manager.fork(seq)
+    assert manager.cache_lengths == {seq: 0}  # nothing claimed for the child
+    with pytest.raises(ValueError, match="prefix caching copies cache rows"):
+        ContinuousBatchingKVCacheManager(
+            params, 4, 32, 2, [HostCPU()], session, enable_prefix_caching=True
+        )

@@ -65,11 +65,13 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             behind :meth:`increment_cache_lengths` and the copies.
         enable_prefix_caching: Record the token ids each slot holds and reuse
             prefixes in :meth:`claim_prefix` (then :meth:`step` needs the ids).
+            Reuse copies rows, so CPU caches only (:attr:`copies_supported`).
         prefix_block_size: Tokens per hashed block (prefix caching).
 
     Raises:
-        ValueError: If a size is not a positive int or the number of devices
-            differs from ``params.n_devices``.
+        ValueError: If a size is not a positive int, the number of devices
+            differs from ``params.n_devices``, or prefix caching is asked of
+            a cache that cannot copy rows.
     """
 
     _id_noun = "slots"
@@ -88,6 +90,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         prefix_block_size: int = 16,
     ) -> None:
         super().__init__(params, max_cache_batch_size, max_seq_len, num_layers, devices, session)
+        if enable_prefix_caching:
+            self._require_copies("prefix caching")
         self.max_cache_batch_size = self.max_batch_size
         self._free_slots: set[int] = set(range(self.max_cache_batch_size))
         self._prefix: PrefixIndex | None = (

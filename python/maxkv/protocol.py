@@ -417,8 +417,10 @@ class KVCacheManagerBase(ABC):
 
         Raises:
             ValueError: If the parent is not claimed, ``fork_pos`` is negative
-                or past the parent's length, or no sequence can be claimed.
+                or past the parent's length, no sequence can be claimed, or
+                the cache cannot copy rows (:attr:`copies_supported`).
         """
+        self._require_copies("fork")
         with self._lock:
             (parent,) = self._validate_ids([parent_seq_id], must_be_claimed=True)
             length = self._lengths[parent]
@@ -456,10 +458,16 @@ class KVCacheManagerBase(ABC):
             self._lengths[seq] -= count
             self._storage_truncate(seq, self._lengths[seq])
 
+    @property
+    def copies_supported(self) -> bool:
+        """Whether this cache can copy token rows (fork, prefix reuse): CPU caches only."""
+        return all(DeviceRef.from_device(d).is_cpu() for d in self.devices)
+
     def warm_up(self) -> None:
         """Compiles the graphs the protocol runs (increment, copies) now, not on first use."""
         self._get_increment_model()
-        self._get_copy_model()
+        if self.copies_supported:
+            self._get_copy_model()
 
     # ----------------------------------------------------------- helpers
 
@@ -543,6 +551,13 @@ class KVCacheManagerBase(ABC):
                 self.session, key, lambda: _increment_graph(self.devices)
             )
         return self._increment_model
+
+    def _require_copies(self, what: str) -> None:
+        if not self.copies_supported:
+            raise ValueError(
+                f"{what} copies cache rows, which maxkv does on the CPU only; this cache is on "
+                f"{', '.join(str(DeviceRef.from_device(d)) for d in self.devices)}"
+            )
 
     def _copy_tokens(self, inputs: list[KVCacheInputs], start: int, end: int) -> None:
         """Runs the copy graph: tokens ``[start, end)`` of entry 0 into entry 1.

@@ -20,6 +20,12 @@ each, every repeat runs maxkv, transformers and MAX once; medians.
   ``ignore_eos=True``, in its default configuration, which has prefix caching
   on (pages of 128 tokens; the settings are recorded with the results).
 
+On a GPU (``device`` not the host): transformers runs on CUDA and MAX's
+pipeline on the accelerator; there is no prefix-caching side (maxkv's row
+copies run on the CPU only) and no roofline unless the machine's read
+bandwidth and matmul rate are given (``benchmarks/run.py`` measures them on
+the CPU only).
+
 The roofline of a batch-``b`` decode step reads every weight once (float32)
 and the KV cache of ``b`` sequences at the mean context, and does
 ``2 b`` FLOPs per weight plus attention:
@@ -132,7 +138,7 @@ class _Maxkv:
 
 
 class _Transformers:
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, gpu: bool) -> None:
         import torch
 
         from ..models.hf import hf_from_pretrained
@@ -140,7 +146,9 @@ class _Transformers:
         assert model.path is not None
         torch.set_num_threads(os.cpu_count() or 1)
         self.torch = torch
-        self.hf: Any = hf_from_pretrained(model.path)
+        self.where = "cuda" if gpu else "cpu"
+        hf: Any = hf_from_pretrained(model.path)
+        self.hf: Any = hf.to(self.where)
         self.pad = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -157,14 +165,16 @@ class _Transformers:
         config.eos_token_id = []  # no early stop
         config.pad_token_id = self.pad
         with torch.no_grad():
-            out = self.hf.generate(ids, attention_mask=mask, generation_config=config)
+            out = self.hf.generate(
+                ids.to(self.where), attention_mask=mask.to(self.where), generation_config=config
+            )
         return [row[width:].tolist() for row in out]
 
 
 class _MaxPipeline:
     """MAX 26.7's own Llama pipeline on a float32 HF export of the same weights."""
 
-    def __init__(self, model: LoadedModel, max_batch: int, max_len: int) -> None:
+    def __init__(self, model: LoadedModel, max_batch: int, max_len: int, gpu: bool) -> None:
         from max.driver import DeviceSpec
         from max.pipelines import PIPELINE_REGISTRY
         from max.pipelines.lib import PipelineArgs, PipelineConfig
@@ -172,7 +182,7 @@ class _MaxPipeline:
         directory = _hf_export(model)
         args = PipelineArgs.from_flat_kwargs(
             model_path=str(directory),
-            device_specs=[DeviceSpec.cpu()],
+            device_specs=[DeviceSpec.accelerator() if gpu else DeviceSpec.cpu()],
             quantization_encoding="float32",
             max_length=max_len,
             max_batch_size=max_batch,
@@ -236,8 +246,8 @@ def end_to_end_real(
     device: Device,
     batches: list[int],
     *,
-    read_bandwidth_gbps: float,
-    matmul_gflops: float,
+    read_bandwidth_gbps: float | None,
+    matmul_gflops: float | None,
     new_tokens: int = 64,
     repeats: int = 3,
     num_steps: int = 4,
@@ -252,17 +262,19 @@ def end_to_end_real(
     max_len = max(len(p) for p in prompts) + new_tokens + num_steps
     log("end to end (real model): compiling maxkv, loading transformers and MAX's pipeline ...")
     sides: dict[str, Callable[[list[list[int]]], list[list[int]]]] = {}
+    gpu = not device.is_host
     ours = _Maxkv(session, device, model, max_len)
     sides["maxkv"] = lambda p: ours.run(p, new_tokens, num_steps)
-    sides["maxkv_prefix_caching"] = lambda p: ours.run(
-        p, new_tokens, num_steps, prefix_caching=True
-    )
+    if not gpu:  # prefix reuse copies cache rows, on the CPU only
+        sides["maxkv_prefix_caching"] = lambda p: ours.run(
+            p, new_tokens, num_steps, prefix_caching=True
+        )
     try:
-        hf = _Transformers(model)
+        hf = _Transformers(model, gpu)
         sides["hf"] = lambda p: hf.run(p, new_tokens)
     except ImportError:
         log("  transformers side skipped: torch is not installed")
-    theirs = _MaxPipeline(model, max(batches), max_len)
+    theirs = _MaxPipeline(model, max(batches), max_len, gpu)
     sides["max_pipeline"] = lambda p: theirs.run(p, new_tokens)
 
     rows = []
@@ -285,35 +297,36 @@ def end_to_end_real(
         }
         for name in sides:
             row[f"{name}_tokens_per_s"] = round(generated / _median(times[name]), 1)
-        row["prefix_cache_hit_tokens"] = ours.prefix_hit_tokens
         row["prompt_tokens"] = sum(len(p) for p in batch_prompts)
         row["max_pipeline_kv_cache"] = theirs.kv_cache
-        row["prefix_caching_same_tokens_as_maxkv"] = (
-            outputs["maxkv_prefix_caching"] == outputs["maxkv"]
-        )
-        row["roofline_tokens_per_s"] = round(
-            roofline_tokens_per_s(model.config, batch, context, read_bandwidth_gbps, matmul_gflops),
-            1,
-        )
+        ours_names = [n for n in ("maxkv", "maxkv_prefix_caching") if n in sides]
+        if "maxkv_prefix_caching" in sides:
+            row["prefix_cache_hit_tokens"] = ours.prefix_hit_tokens
+            row["prefix_caching_same_tokens_as_maxkv"] = (
+                outputs["maxkv_prefix_caching"] == outputs["maxkv"]
+            )
+        if read_bandwidth_gbps is not None and matmul_gflops is not None:
+            row["roofline_tokens_per_s"] = round(
+                roofline_tokens_per_s(
+                    model.config, batch, context, read_bandwidth_gbps, matmul_gflops
+                ),
+                1,
+            )
+            row["fraction_of_roofline"] = round(
+                row["maxkv_tokens_per_s"] / row["roofline_tokens_per_s"], 3
+            )
+        for name in ours_names:
+            prefix = "" if name == "maxkv" else "prefix_caching_"
+            if "hf" in outputs:
+                row[f"{prefix}same_tokens_as_hf"] = outputs[name] == outputs["hf"]
+                row[f"{prefix}speedup_vs_hf"] = round(
+                    row[f"{name}_tokens_per_s"] / row["hf_tokens_per_s"], 2
+                )
+            row[f"{prefix}speedup_vs_max_pipeline"] = round(
+                row[f"{name}_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 2
+            )
         if "hf" in outputs:
-            row["same_tokens_as_hf"] = outputs["maxkv"] == outputs["hf"]
-            row["prefix_caching_same_tokens_as_hf"] = (
-                outputs["maxkv_prefix_caching"] == outputs["hf"]
-            )
             row["max_pipeline_same_tokens_as_hf"] = outputs["max_pipeline"] == outputs["hf"]
-            row["speedup_vs_hf"] = round(row["maxkv_tokens_per_s"] / row["hf_tokens_per_s"], 2)
-            row["prefix_caching_speedup_vs_hf"] = round(
-                row["maxkv_prefix_caching_tokens_per_s"] / row["hf_tokens_per_s"], 2
-            )
-        row["speedup_vs_max_pipeline"] = round(
-            row["maxkv_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 2
-        )
-        row["prefix_caching_speedup_vs_max_pipeline"] = round(
-            row["maxkv_prefix_caching_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 2
-        )
-        row["fraction_of_roofline"] = round(
-            row["maxkv_tokens_per_s"] / row["roofline_tokens_per_s"], 3
-        )
         log(f"  {row}")
         rows.append(row)
     return rows

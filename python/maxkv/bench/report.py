@@ -96,12 +96,13 @@ def print_summary(results: dict[str, Any]) -> None:
                 f"{r['batch']:>5} {r['maxkv_tokens_per_s']:>8.1f} "
                 f"{r.get('maxkv_prefix_caching_tokens_per_s', float('nan')):>8.1f} "
                 f"{r.get('hf_tokens_per_s', float('nan')):>8.1f} "
-                f"{r['max_pipeline_tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
+                f"{r['max_pipeline_tokens_per_s']:>8.1f} "
+                f"{r.get('roofline_tokens_per_s', float('nan')):>9.1f} "
                 f"{r.get('speedup_vs_hf', float('nan')):>6.2f} "
                 f"{r['speedup_vs_max_pipeline']:>6.2f} "
                 f"{r.get('prefix_caching_speedup_vs_hf', float('nan')):>7.2f} "
                 f"{r.get('prefix_caching_speedup_vs_max_pipeline', float('nan')):>8.2f} "
-                f"{r['fraction_of_roofline']:>6.2f} {r.get('same_tokens_as_hf')}"
+                f"{r.get('fraction_of_roofline', float('nan')):>6.2f} {r.get('same_tokens_as_hf')}"
                 f"/{r.get('prefix_caching_same_tokens_as_hf')}"
             )
     for profile in results.get("profile", []):
