@@ -166,7 +166,11 @@ def _profile(session: InferenceSession, device: Device, quick: bool) -> Any:
     profiles = []
     for batch in [8] if quick else [8, 32]:
         prompts = [model.tokenizer.encode_chat(q) for q in QUESTIONS[:batch]]
-        profiles.append(profile_decode_step(session, device, model.config, model.weights, prompts))
+        profiles.append(
+            profile_decode_step(
+                session, device, model.config, model.weights, prompts, quantized=model.quantized
+            )
+        )
     return profiles
 
 

@@ -95,6 +95,12 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     q_bytes = sum(a.nbytes for n, a in registry.items() if n.endswith((".q", ".sm")))
     f32_bytes = sum(registry[n].nbytes for n in names)
     assert q_bytes < f32_bytes / 4
+    # A greedy-head graph never reads the head's quantized copy: it is not kept.
+    greedy = graph_weights(
+        config, smollm2.weights, packed=True, quantized=smollm2.quantized, greedy_head=True
+    )
+    assert {n[: -len(".q")] for n in greedy if n.endswith(".q")} == names - {"lm_head"}
+    assert {"lm_head", "lm_head.greedy_q", "lm_head.greedy_info"} <= set(greedy)
 
 
 # ------------------------------------------------------------------ the kernel

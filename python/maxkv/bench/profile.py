@@ -29,7 +29,8 @@ from ..graph import FetchContinuousBatchingKVCacheCollection
 from ..kernels import kernels_path
 from ..manager import ContinuousBatchingKVCacheManager
 from ..models.config import LlamaConfig
-from ..models.llama import LlamaModel, cache_params
+from ..models.llama import LlamaModel, cache_params, graph_weights
+from ..quantized import BlockQuantized
 from ..scheduler import ContinuousBatchingScheduler
 from .timing import median_seconds
 
@@ -117,28 +118,71 @@ class _Profiler:
     def weight(self, i: int, shape: list[int]) -> Weight:
         return Weight(f"w{i}", DType.float32, shape, self.ref)
 
-    def linear(self, name: str, out_features: int, in_features: int) -> float:
-        packed_shape = list(kvops.pack_linear_weight(np.zeros((out_features, 1))).shape)
-        packed_shape[1] = in_features
+    def linear(self, name: str, layers: list[dict[str, np.ndarray]], out_features: int) -> float:
+        """Per-call ms of :func:`maxkv.ops.linear_packed` on the model's own matrices.
+
+        ``layers``: per layer, ``{"w": packed}`` plus ``"q"`` and ``"sm"``
+        where the matrix has a quantized copy (the graph reads it for steps
+        of up to 8 rows, as the model does).  Application *i* uses layer
+        ``i % len(layers)``, a fresh copy of it when reused, so every
+        application streams its own weights.
+        """
+        in_features = int(layers[0]["w"].shape[1])
 
         def build(count: int) -> tuple[Graph, dict[str, np.ndarray], list[Buffer]]:
             types = [TensorType(DType.float32, [self.batch, in_features], self.ref)]
-            weights = {
-                f"w{i}": kvops.pack_linear_weight(self.array(out_features, in_features))
-                for i in range(count)
-            }
+            weights: dict[str, np.ndarray] = {}
             with Graph(
                 f"profile_{name}_{count}", input_types=types, custom_extensions=[kernels_path()]
             ) as g:
                 x = g.inputs[0].tensor
-                outs = [
-                    kvops.linear_packed(x, self.weight(i, packed_shape), out_features)
-                    for i in range(count)
-                ]
+                outs = []
+                for i in range(count):
+                    source = layers[i % len(layers)]
+                    arrays = {
+                        part: a if i < len(layers) else a.copy() for part, a in source.items()
+                    }
+                    for part, a in arrays.items():
+                        weights[f"{part}{i}"] = a
+                    w = {
+                        part: Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
+                        for part, a in arrays.items()
+                    }
+                    quantized = (w["q"], w["sm"]) if "q" in w else None
+                    outs.append(kvops.linear_packed(x, w["w"], out_features, quantized))
                 g.output(*outs)
             return g, weights, [self.buffer(self.batch, in_features)]
 
         return self.differential(name, build)
+
+    def greedy_head(self, head: dict[str, np.ndarray], vocab: int) -> float:
+        """Per-call ms of :func:`maxkv.ops.greedy_head` (LM head and argmax in one).
+
+        On normalized Gaussian rows: their logits are flatter than a real
+        model's, so more tiles stay candidates and this errs on the slow side.
+        """
+        hidden = int(head["w"].shape[1])
+
+        def build(count: int) -> tuple[Graph, dict[str, np.ndarray], list[Buffer]]:
+            types = [TensorType(DType.float32, [self.batch, hidden], self.ref)]
+            weights: dict[str, np.ndarray] = {}
+            with Graph(
+                f"profile_greedy_head_{count}",
+                input_types=types,
+                custom_extensions=[kernels_path()],
+            ) as g:
+                x = g.inputs[0].tensor
+                outs = []
+                for i in range(count):
+                    w = {}
+                    for part, a in head.items():
+                        weights[f"{part}{i}"] = a if i == 0 else a.copy()
+                        w[part] = Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
+                    outs.append(kvops.greedy_head(x, w["w"], w["q"], w["info"], vocab))
+                g.output(*outs)
+            return g, weights, [self.buffer(self.batch, hidden)]
+
+        return self.differential("greedy_head", build)
 
     def cache_op(self, name: str, op: str) -> float:
         """Per-call ms of a cache op on one layer holding ``batch`` x ``context`` tokens."""
@@ -200,6 +244,7 @@ def profile_decode_step(
     weights: Mapping[str, np.ndarray],
     prompts: list[list[int]],
     *,
+    quantized: Mapping[str, BlockQuantized] | None = None,
     new_tokens: int = 32,
     num_steps: int = 4,
     warmup: int = 3,
@@ -209,11 +254,14 @@ def profile_decode_step(
 
     The full step and the host work are measured by running the scheduler
     on ``prompts`` (``new_tokens`` each, no early stop: every request keeps
-    decoding); the op families at the cache length reached halfway.
+    decoding); the op families at the cache length reached halfway, the
+    matmuls on the model's own matrices as the model holds them (with the
+    quantized copies of ``quantized``, which steps of up to 8 rows read, and
+    the greedy head where the model uses it).
 
     Returns:
-        ``{"batch", "context", "step_ms", "rows": [{family, calls_per_step,
-        ms_per_call, ms_per_step, share}], "unattributed_ms"}``.
+        ``{"batch", "context", "step_ms", "greedy_head", "rows": [{family,
+        calls_per_step, ms_per_call, ms_per_step, share}], "unattributed_ms"}``.
     """
     c = config
     batch = len(prompts)
@@ -226,8 +274,24 @@ def profile_decode_step(
         [device],
         session,
     )
-    model = LlamaModel(c, weights, manager, session)
+    model = LlamaModel(c, weights, manager, session, quantized=quantized)
     step_ms, host_ms = _measure_steps(model, manager, prompts, new_tokens, num_steps, repeats=3)
+    registry = graph_weights(
+        c, weights, packed=True, quantized=quantized, greedy_head=model.greedy_head
+    )
+
+    def matrices(names: list[str]) -> list[dict[str, np.ndarray]]:
+        return [
+            {
+                part: registry[name + suffix]
+                for part, suffix in (("w", ""), ("q", ".q"), ("sm", ".sm"))
+                if name + suffix in registry
+            }
+            for name in names
+        ]
+
+    def layer_matrices(kind: str) -> list[dict[str, np.ndarray]]:
+        return matrices([f"layers.{i}.{kind}" for i in range(min(layers, 1 + _EXTRA))])
 
     p = _Profiler(session, device, c, batch, context, warmup, repeats)
     h, layers = c.hidden_size, c.num_hidden_layers
@@ -235,11 +299,29 @@ def profile_decode_step(
     qkv = q_width + 2 * c.num_key_value_heads * c.head_dim
     inter = c.intermediate_size
     rows = [
-        ProfileRow("matmul QKV", layers, p.linear("qkv", qkv, h)),
-        ProfileRow("matmul attention output", layers, p.linear("o", h, q_width)),
-        ProfileRow("matmul gate+up", layers, p.linear("gate_up", 2 * inter, h)),
-        ProfileRow("matmul down", layers, p.linear("down", h, inter)),
-        ProfileRow("LM head (matmul)", 1, p.linear("lm_head", c.vocab_size, h)),
+        ProfileRow("matmul QKV", layers, p.linear("qkv", layer_matrices("wqkv"), qkv)),
+        ProfileRow("matmul attention output", layers, p.linear("o", layer_matrices("wo"), h)),
+        ProfileRow(
+            "matmul gate+up", layers, p.linear("gate_up", layer_matrices("gate_up"), 2 * inter)
+        ),
+        ProfileRow("matmul down", layers, p.linear("down", layer_matrices("down"), h)),
+    ]
+    if model.greedy_head:
+        head = {
+            "w": registry["lm_head"],
+            "q": registry["lm_head.greedy_q"],
+            "info": registry["lm_head.greedy_info"],
+        }
+        rows.append(
+            ProfileRow("LM head + argmax (greedy head)", 1, p.greedy_head(head, c.vocab_size))
+        )
+    else:
+        rows.append(
+            ProfileRow(
+                "LM head (matmul)", 1, p.linear("lm_head", matrices(["lm_head"]), c.vocab_size)
+            )
+        )
+    rows += [
         ProfileRow("store K/V", layers, p.cache_op("store", "store")),
         ProfileRow("RoPE", layers, p.cache_op("rope", "rope")),
         ProfileRow("attention", layers, p.cache_op("attention", "attention")),
@@ -265,20 +347,24 @@ def profile_decode_step(
             2 * layers,
             p.independent("add", [[batch, h], [batch, h]], lambda v, _: v[0] + v[1]),
         ),
-        ProfileRow(
-            "sampling (argmax)",
-            1,
-            p.independent(
-                "argmax", [[batch, c.vocab_size]], lambda v, _: ops.argmax(v[0], axis=-1)
-            ),
-        ),
-        ProfileRow("host work between steps", 1, host_ms),
     ]
+    if not model.greedy_head:
+        rows.append(
+            ProfileRow(
+                "sampling (argmax)",
+                1,
+                p.independent(
+                    "argmax", [[batch, c.vocab_size]], lambda v, _: ops.argmax(v[0], axis=-1)
+                ),
+            )
+        )
+    rows.append(ProfileRow("host work between steps", 1, host_ms))
     attributed = sum(r.ms_per_step for r in rows)
     return {
         "batch": batch,
         "context": context,
         "step_ms": round(step_ms, 3),
+        "greedy_head": model.greedy_head,
         "rows": [
             {
                 "family": r.family,

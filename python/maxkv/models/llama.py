@@ -86,7 +86,8 @@ def graph_weights(
 
     ``greedy_head`` (CPU only): also ``lm_head.greedy_q`` and
     ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
-    for graphs that output tokens through :func:`maxkv.ops.greedy_head`.
+    for graphs that output tokens through :func:`maxkv.ops.greedy_head`
+    (and no quantized copy of the head, which such graphs never read).
 
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
@@ -108,7 +109,9 @@ def graph_weights(
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
         out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
-        if packed and quantized and all(part in quantized for part in parts):
+        # The greedy head reads its own int8 copy, never the head's quantized one.
+        skip = greedy_head and name == "lm_head"
+        if packed and quantized and not skip and all(part in quantized for part in parts):
             copy = BlockQuantized.concat([quantized[part] for part in parts])
             if copy.exactly(matrix):
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
