@@ -118,6 +118,20 @@ class _Profiler:
     def weight(self, i: int, shape: list[int]) -> Weight:
         return Weight(f"w{i}", DType.float32, shape, self.ref)
 
+    def bind(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        i: int,
+        fresh: bool,
+        registry: dict[str, np.ndarray],
+    ) -> dict[str, Weight]:
+        """Graph weights ``<part><i>`` of ``arrays`` (copies when ``fresh``), into ``registry``."""
+        bound = {}
+        for part, a in arrays.items():
+            registry[f"{part}{i}"] = a.copy() if fresh else a
+            bound[part] = Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
+        return bound
+
     def linear(self, name: str, layers: list[dict[str, np.ndarray]], out_features: int) -> float:
         """Per-call ms of :func:`maxkv.ops.linear_packed` on the model's own matrices.
 
@@ -138,16 +152,7 @@ class _Profiler:
                 x = g.inputs[0].tensor
                 outs = []
                 for i in range(count):
-                    source = layers[i % len(layers)]
-                    arrays = {
-                        part: a if i < len(layers) else a.copy() for part, a in source.items()
-                    }
-                    for part, a in arrays.items():
-                        weights[f"{part}{i}"] = a
-                    w = {
-                        part: Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
-                        for part, a in arrays.items()
-                    }
+                    w = self.bind(layers[i % len(layers)], i, i >= len(layers), weights)
                     quantized = (w["q"], w["sm"]) if "q" in w else None
                     outs.append(kvops.linear_packed(x, w["w"], out_features, quantized))
                 g.output(*outs)
@@ -174,10 +179,7 @@ class _Profiler:
                 x = g.inputs[0].tensor
                 outs = []
                 for i in range(count):
-                    w = {}
-                    for part, a in head.items():
-                        weights[f"{part}{i}"] = a if i == 0 else a.copy()
-                        w[part] = Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
+                    w = self.bind(head, i, i > 0, weights)
                     outs.append(kvops.greedy_head(x, w["w"], w["q"], w["info"], vocab))
                 g.output(*outs)
             return g, weights, [self.buffer(self.batch, hidden)]
