@@ -21,13 +21,12 @@ import sys
 import time
 import traceback
 
-import numpy as np
 from max.driver import CPU, Accelerator, Device
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models import LlamaModel
-from maxkv.models.config import LlamaConfig, Weights, check_weights
+from maxkv.models.config import LlamaConfig, Weights, random_weights
 from maxkv.models.llama import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.scheduler import ContinuousBatchingScheduler
@@ -53,14 +52,7 @@ def random_llama(shape: str, layers: int) -> tuple[LlamaConfig, Weights]:
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
     )
-    rng = np.random.default_rng(0)
-    weights = {
-        name: 1.0 + 0.1 * rng.standard_normal(s)
-        if name.endswith("norm.weight")
-        else rng.standard_normal(s) / np.sqrt(s[-1])
-        for name, s in config.weight_shapes().items()
-    }
-    return config, check_weights(config, weights)
+    return config, random_weights(config)
 
 
 def main() -> int:

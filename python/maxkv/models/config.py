@@ -172,6 +172,14 @@ def default_llama(seed: int = 0) -> tuple[LlamaConfig, Weights]:
         head_dim=16,
         max_position_embeddings=512,
     )
+    return config, random_weights(config, seed)
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> Weights:
+    """Seeded random float32 weights for ``config`` (those of :func:`default_llama`).
+
+    Norm weights ``1 + 0.1 N(0, 1)``; matrices ``N(0, 1) / sqrt(in_features)``.
+    """
     rng = np.random.default_rng(seed)
     weights: Weights = {}
     for name, shape in config.weight_shapes().items():
@@ -179,4 +187,4 @@ def default_llama(seed: int = 0) -> tuple[LlamaConfig, Weights]:
             weights[name] = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             weights[name] = rng.standard_normal(shape) / np.sqrt(shape[-1])
-    return config, check_weights(config, weights)
+    return check_weights(config, weights)
