@@ -41,7 +41,7 @@ from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 from std.utils import StaticTuple
 
-from .linear import TILE, Acc, Ptr
+from .linear import FLOAT32, TILE, Acc, Ptr, _block
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime I32x16 = SIMD[DType.int32, 16]
@@ -98,15 +98,6 @@ def _approx_rows[R: Int](
 
 
 @always_inline
-def _tile_dot(xrow: Ptr, w_tile: Ptr, K: Int) -> Acc:
-    """One row times one packed float32 tile, in `linear_packed`'s arithmetic."""
-    var c = Acc(0)
-    for k in range(K):
-        c = Acc(xrow[unsafe_offset=k]).fma(w_tile.unsafe_load[width=TILE](k * TILE), c)
-    return c
-
-
-@always_inline
 def _bounds(approx: Ptr, info: Ptr, norms: Ptr, M: Int, NP: Int, m: Int, t: Int) -> Tuple[Acc, Acc]:
     """Lower and upper bounds of row `m`'s float32 logits in tile `t`."""
     var a = approx.unsafe_load[width=TILE](m * NP + t * TILE)
@@ -121,8 +112,8 @@ def _bounds(approx: Ptr, info: Ptr, norms: Ptr, M: Int, NP: Int, m: Int, t: Int)
 struct GreedyHead:
     """`output[m] = argmax_n (x @ w.T)[m, n]` over the first `vocab` columns.
 
-    `w_packed` `[tiles, K, 64]` is the float32 head as `maxkv.linear_packed`
-    takes it; `wq` `[tiles, K / 4, 256]` and `info` `[4, tiles * 64]` are
+    `w_packed` `[tiles, 1, K, 64]` is the float32 head as `maxkv.linear_packed`
+    takes it in blocks of 64 columns; `wq` `[tiles, K / 4, 256]` and `info` `[4, tiles * 64]` are
     its int8 copy and per-row bounds from `maxkv.ops.pack_greedy_head`.
     """
 
@@ -132,7 +123,7 @@ struct GreedyHead:
     ](
         output: OutputTensor[dtype=DType.int64, rank=1, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
-        w_packed: InputTensor[dtype=DType.float32, rank=3, ...],
+        w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
         wq: InputTensor[dtype=DType.uint8, rank=3, ...],
         info: InputTensor[dtype=DType.float32, rank=2, ...],
         ctx: DeviceContext,
@@ -148,8 +139,9 @@ struct GreedyHead:
         if (
             output.dim_size(0) != M
             or K % 4 != 0
-            or w_packed.dim_size(1) != K
-            or w_packed.dim_size(2) != TILE
+            or w_packed.dim_size(1) != 1
+            or w_packed.dim_size(2) != K
+            or w_packed.dim_size(3) != TILE
             or (N + TILE - 1) // TILE != tiles
             or wq.dim_size(0) != tiles
             or wq.dim_size(1) != K // 4
@@ -159,7 +151,8 @@ struct GreedyHead:
         ):
             raise Error(
                 "maxkv.greedy_head: shapes x [", M, ", ", K, "], w_packed [", tiles, ", ",
-                w_packed.dim_size(1), ", ", w_packed.dim_size(2), "], wq [", wq.dim_size(0),
+                w_packed.dim_size(1), ", ", w_packed.dim_size(2), ", ", w_packed.dim_size(3),
+                "], wq [", wq.dim_size(0),
                 ", ", wq.dim_size(1), ", ", wq.dim_size(2), "], info [", info.dim_size(0),
                 ", ", info.dim_size(1), "], output [", output.dim_size(0), "] do not match a ",
                 N, "-row head",
@@ -258,7 +251,8 @@ struct GreedyHead:
                 var w_tile = wp.unsafe_offset(t * K * TILE)
                 for m in range(M):
                     if needed[unsafe_offset=m * tiles + t]:
-                        approx.unsafe_store(m * NP + t * TILE, _tile_dot(xp.unsafe_offset(m * K), w_tile, K))
+                        # linear_packed's arithmetic: one fma per k, in order.
+                        _block[1, FLOAT32, TILE, 0](xp, w_tile, wqp, ip, approx, m, K, NP, t * TILE)
 
         sync_parallelize(recompute, workers)
 

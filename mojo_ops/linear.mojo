@@ -2,12 +2,19 @@
 
 MAX's CPU matmul packs tiles of `w` on every call, which dominates at the
 few rows of a decode step.  Here `w` `[N, K]` is packed once, at load time,
-into column tiles `[ceil(N / 64), K, 64]` (tile `t`, row `k` holds
-`w[64 t : 64 t + 64, k]`, zero-padded), so each call streams every weight
-exactly once and contiguously.  Output rows are computed four at a time
-with the 4 x 64 accumulator block in registers; the tiles are split into
-one contiguous range per worker thread.  CPU and float32 only; other
-targets use MAX's matmul (see `maxkv.ops.linear`).
+into tiles of 64 output columns, each split into column blocks of
+`block_cols` columns stored one after the other:
+`[ceil(N / 64), 64 / block_cols, K, block_cols]` (tile `t`, block `b`, row
+`k` holds `w[64 t + block_cols b : 64 t + block_cols (b + 1), k]`,
+zero-padded), so each register block streams its weights contiguously and
+every weight is read once per call.  The block is sized for the target's
+vector registers: `block_cols` 64 with AVX-512 (4 rows x 64 columns, 16 of
+32 registers), 16 with AVX2 (6 x 16, 12 of 16 registers; a 4 x 64 block
+there spills, and 16-column blocks read from a 64-column row stream their
+weights with a stride the prefetchers follow badly: 0.7 vs 0.9 ms per
+3072 x 576 matmul at 32 rows, measured).  The tiles are split into one
+contiguous range per worker thread.  CPU and float32 only; other targets
+use MAX's matmul (see `maxkv.ops.linear`).
 
 `maxkv.linear_packed_q` also takes a block-quantized copy of the same
 weights (GGUF's Q4_0 / Q4_1 / Q8_0 blocks, `maxkv.quantized`): steps of up
@@ -25,179 +32,133 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.math import exp
+from std.utils import StaticTuple
 
 comptime TILE = 64
 """Output columns per packed tile."""
 comptime Acc = SIMD[DType.float32, TILE]
 comptime Ptr = UnsafePointer[Float32, MutUntrackedOrigin]
-
-
-@always_inline
-def _rows[R: Int](x: Ptr, w_tile: Ptr, dst: Ptr, m0: Int, K: Int, N: Int, n0: Int):
-    """`out[m0 : m0 + R, n0 : n0 + 64] = x[m0 : m0 + R] @ tile`, for R in 1 .. 4."""
-    var c0 = Acc(0)
-    var c1 = Acc(0)
-    var c2 = Acc(0)
-    var c3 = Acc(0)
-    var x0 = x.unsafe_offset(m0 * K)
-    var x1 = x.unsafe_offset((m0 + min(1, R - 1)) * K)
-    var x2 = x.unsafe_offset((m0 + min(2, R - 1)) * K)
-    var x3 = x.unsafe_offset((m0 + min(3, R - 1)) * K)
-    for k in range(K):
-        var w = w_tile.unsafe_load[width=TILE](k * TILE)
-        c0 = Acc(x0[unsafe_offset=k]).fma(w, c0)
-        comptime if R > 1:
-            c1 = Acc(x1[unsafe_offset=k]).fma(w, c1)
-        comptime if R > 2:
-            c2 = Acc(x2[unsafe_offset=k]).fma(w, c2)
-        comptime if R > 3:
-            c3 = Acc(x3[unsafe_offset=k]).fma(w, c3)
-    _store(dst, m0, N, n0, c0)
-    comptime if R > 1:
-        _store(dst, m0 + 1, N, n0, c1)
-    comptime if R > 2:
-        _store(dst, m0 + 2, N, n0, c2)
-    comptime if R > 3:
-        _store(dst, m0 + 3, N, n0, c3)
-
-
-@always_inline
-def _store(dst: Ptr, m: Int, N: Int, n0: Int, c: Acc):
-    var row = dst.unsafe_offset(m * N + n0)
-    if n0 + TILE <= N:
-        row.unsafe_store(0, c)
-    else:
-        for j in range(N - n0):
-            row[unsafe_offset=j] = c[j]
-
-
-def _linear_f32(xp: Ptr, wp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int) raises:
-    """`op[M, N] = xp[M, K] @ w.T` over float32 tiles, one tile range per worker."""
-    var workers = max(1, min(parallelism_level(None), tiles))
-
-    def work(worker: Int) {imm}:
-        for t in range(worker * tiles // workers, (worker + 1) * tiles // workers):
-            var w_tile = wp.unsafe_offset(t * K * TILE)
-            var n0 = t * TILE
-            var m = 0
-            while m + 4 <= M:
-                _rows[4](xp, w_tile, op, m, K, N, n0)
-                m += 4
-            var rest = M - m
-            if rest == 3:
-                _rows[3](xp, w_tile, op, m, K, N, n0)
-            elif rest == 2:
-                _rows[2](xp, w_tile, op, m, K, N, n0)
-            elif rest == 1:
-                _rows[1](xp, w_tile, op, m, K, N, n0)
-
-    sync_parallelize(work, workers)
-
-
-@extensibility.register("maxkv.linear_packed")
-struct LinearPacked:
-    """`output[M, N] = x[M, K] @ w.T`, `w` packed as `[ceil(N / 64), K, 64]`."""
-
-    @staticmethod
-    def execute[
-        target: StaticString
-    ](
-        output: OutputTensor[dtype=DType.float32, rank=2, ...],
-        x: InputTensor[dtype=DType.float32, rank=2, ...],
-        w_packed: InputTensor[dtype=DType.float32, rank=3, ...],
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "maxkv.linear_packed runs on CPU"
-        var M = x.dim_size(0)
-        var K = x.dim_size(1)
-        var N = output.dim_size(1)
-        var tiles = w_packed.dim_size(0)
-        if (
-            output.dim_size(0) != M
-            or w_packed.dim_size(1) != K
-            or w_packed.dim_size(2) != TILE
-            or (N + TILE - 1) // TILE != tiles
-        ):
-            raise Error(
-                "maxkv.linear_packed: shapes x [", M, ", ", K, "], w_packed [", tiles, ", ",
-                w_packed.dim_size(1), ", ", w_packed.dim_size(2), "], output [",
-                output.dim_size(0), ", ", N, "] do not match",
-            )
-        if M == 0:
-            return
-        _linear_f32(
-            x.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            M, K, N, tiles,
-        )
-
-
-# ------------------------------------------------- block-quantized weights
-
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
+comptime FLOAT32 = 32
+"""`BITS` of the float32 tiles (the quantized copies have 4 or 8)."""
 comptime QBLOCK = 32
 """Weights per quantization block along K (GGML's Q4_0, Q4_1 and Q8_0 blocks)."""
 comptime QUANT_MAX_ROWS = 8
 """Up to this many rows `maxkv.linear_packed_q` reads the quantized copy."""
 
 
+def block_rows[C: Int]() -> Int:
+    """Output rows of a register block of `C` columns: 4 x 64 (AVX-512's
+    layout, 16 accumulator registers of 32) or 6 x 16 (AVX2's, 12 of 16)."""
+    return 4 if C == TILE else 6
+
+
 @always_inline
-def _dequant[BITS: Int](q: U8Ptr, k: Int, scale: Acc, offset: Acc) -> Acc:
-    """Row `k` of a quantized tile as float32: `fma(q, scale, offset)`.
+def _dequant[BITS: Int, C: Int, C0: Int](
+    q: U8Ptr, k: Int, scale: SIMD[DType.float32, C], offset: SIMD[DType.float32, C]
+) -> SIMD[DType.float32, C]:
+    """Columns `C0 .. C0 + C` of row `k` of a quantized tile: `fma(q, scale, offset)`.
 
     With `q * scale` exact in float32 (a float16 scale times a 4- or 8-bit
     integer), this is the single rounding of `scale * q + offset`, the value
-    the float32 copy holds.
+    the float32 copy holds.  4-bit tiles hold column `j < 32` in the low
+    nibble of byte `j` and column `j >= 32` in the high nibble of byte `j - 32`.
     """
     comptime if BITS == 8:
-        return q.unsafe_load[width=TILE](k * TILE).cast[DType.float32]().fma(scale, offset)
-    else:
+        return q.unsafe_load[width=C](k * TILE + C0).cast[DType.float32]().fma(scale, offset)
+    elif C == TILE:
         var v = q.unsafe_load[width=TILE // 2](k * (TILE // 2))
         var low = (v & 15).cast[DType.float32]()
         var high = (v >> 4).cast[DType.float32]()
-        return low.join(high).fma(scale, offset)
+        return rebind[SIMD[DType.float32, C]](low.join(high)).fma(scale, offset)
+    elif C0 < TILE // 2:
+        var v = q.unsafe_load[width=C](k * (TILE // 2) + C0)
+        return (v & 15).cast[DType.float32]().fma(scale, offset)
+    else:
+        var v = q.unsafe_load[width=C](k * (TILE // 2) + C0 - TILE // 2)
+        return (v >> 4).cast[DType.float32]().fma(scale, offset)
 
 
 @always_inline
-def _rows_q[R: Int, BITS: Int](
-    x: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, m0: Int, K: Int, N: Int, n0: Int
+def _block[R: Int, BITS: Int, C: Int, C0: Int](
+    x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, m0: Int, K: Int, N: Int, n0: Int
 ):
-    """`_rows` over a quantized tile, dequantized row by row in registers."""
-    var c0 = Acc(0)
-    var c1 = Acc(0)
-    var c2 = Acc(0)
-    var c3 = Acc(0)
-    var x0 = x.unsafe_offset(m0 * K)
-    var x1 = x.unsafe_offset((m0 + min(1, R - 1)) * K)
-    var x2 = x.unsafe_offset((m0 + min(2, R - 1)) * K)
-    var x3 = x.unsafe_offset((m0 + min(3, R - 1)) * K)
-    for kb in range(K // QBLOCK):
-        var scale = sm.unsafe_load[width=TILE](kb * 2 * TILE)
-        var offset = sm.unsafe_load[width=TILE](kb * 2 * TILE + TILE)
-        for kk in range(QBLOCK):
-            var k = kb * QBLOCK + kk
-            var w = _dequant[BITS](q, k, scale, offset)
-            c0 = Acc(x0[unsafe_offset=k]).fma(w, c0)
-            comptime if R > 1:
-                c1 = Acc(x1[unsafe_offset=k]).fma(w, c1)
-            comptime if R > 2:
-                c2 = Acc(x2[unsafe_offset=k]).fma(w, c2)
-            comptime if R > 3:
-                c3 = Acc(x3[unsafe_offset=k]).fma(w, c3)
-    _store(dst, m0, N, n0, c0)
-    comptime if R > 1:
-        _store(dst, m0 + 1, N, n0, c1)
-    comptime if R > 2:
-        _store(dst, m0 + 2, N, n0, c2)
-    comptime if R > 3:
-        _store(dst, m0 + 3, N, n0, c3)
+    """`out[m0 : m0 + R, n0 + C0 : n0 + C0 + C] = x[m0 : m0 + R] @ w`: one register block.
+
+    `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4 or
+    8 read the quantized tile `q` with its per-block scales and offsets `sm`,
+    dequantized row by row in registers to the same float32 values.  Either
+    way each output is `fma(x[m, k], w[k], acc)` for `k = 0 .. K - 1` in
+    order, so the block shape, the layout and the weight copy never change
+    a result's bits.
+    """
+    comptime Vec = SIMD[DType.float32, C]
+    var acc = StaticTuple[Vec, R](fill=Vec(0))
+    var rows = StaticTuple[Ptr, R](fill=x)
+    comptime for r in range(R):
+        rows[r] = x.unsafe_offset((m0 + r) * K)
+    comptime SPAN = 1 if BITS == FLOAT32 else QBLOCK
+    for kb in range(K // SPAN):
+        var scale = Vec(0)
+        var offset = Vec(0)
+        comptime if BITS != FLOAT32:
+            scale = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
+            offset = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
+        for kk in range(SPAN):
+            var k = kb * SPAN + kk
+            var wk: Vec
+            comptime if BITS == FLOAT32:
+                wk = w.unsafe_load[width=C](k * C)
+            else:
+                wk = _dequant[BITS, C, C0](q, k, scale, offset)
+            comptime for r in range(R):
+                acc[r] = Vec(rows[r][unsafe_offset=k]).fma(wk, acc[r])
+    comptime for r in range(R):
+        var row = dst.unsafe_offset((m0 + r) * N + n0 + C0)
+        if n0 + C0 + C <= N:
+            row.unsafe_store(0, acc[r])
+        else:
+            for j in range(N - n0 - C0):
+                row[unsafe_offset=j] = acc[r][j]
 
 
-def _linear_q[BITS: Int](
-    xp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int
+@always_inline
+def _next_rows[R: Int](rest: Int) -> Int:
+    """Rows of the next register block (at most `R`) when `rest` rows are left.
+
+    Full blocks while at least two more follow, then the remainder split into
+    two near-equal blocks (8 rows in blocks of 6: 4 + 4, not 6 + 2): a block
+    of few rows has too few independent accumulators to keep the FMA units
+    busy.
+    """
+    if rest >= 2 * R or rest <= R:
+        return min(rest, R)
+    return (rest + 1) // 2
+
+
+@always_inline
+def _column_block[BITS: Int, C: Int, C0: Int](
+    x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int
+):
+    """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows, a register block at a time."""
+    if n0 + C0 >= N:  # all padding (the last tile)
+        return
+    comptime R = block_rows[C]()
+    var m = 0
+    while m < M:
+        var rows = _next_rows[R](M - m)
+        comptime for r in range(1, R + 1):
+            if rows == r:
+                _block[r, BITS, C, C0](x, w, q, sm, dst, m, K, N, n0)
+        m += rows
+
+
+def _linear[BITS: Int, C: Int](
+    xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int
 ) raises:
-    """`_linear_f32` reading the quantized tiles."""
+    """`op[M, N] = xp[M, K] @ w.T` over the float32 tiles `wp` (`BITS == FLOAT32`,
+    column blocks of `C`) or the quantized tiles `qp` / `smp`, read in column
+    blocks of `C`; one contiguous tile range per worker."""
     var workers = max(1, min(parallelism_level(None), tiles))
     var q_tile = K * TILE * BITS // 8
     var sm_tile = (K // QBLOCK) * 2 * TILE
@@ -206,20 +167,60 @@ def _linear_q[BITS: Int](
         for t in range(worker * tiles // workers, (worker + 1) * tiles // workers):
             var q = qp.unsafe_offset(t * q_tile)
             var sm = smp.unsafe_offset(t * sm_tile)
-            var n0 = t * TILE
-            var m = 0
-            while m + 4 <= M:
-                _rows_q[4, BITS](xp, q, sm, op, m, K, N, n0)
-                m += 4
-            var rest = M - m
-            if rest == 3:
-                _rows_q[3, BITS](xp, q, sm, op, m, K, N, n0)
-            elif rest == 2:
-                _rows_q[2, BITS](xp, q, sm, op, m, K, N, n0)
-            elif rest == 1:
-                _rows_q[1, BITS](xp, q, sm, op, m, K, N, n0)
+            comptime for b in range(TILE // C):
+                var w = wp.unsafe_offset((t * TILE + b * C) * K)
+                _column_block[BITS, C, b * C](xp, w, q, sm, op, M, K, N, t * TILE)
 
     sync_parallelize(work, workers)
+
+
+def _check_packed[block_cols: Int](
+    name: StaticString, M: Int, K: Int, N: Int, w_packed: InputTensor[dtype=DType.float32, rank=4, ...]
+) raises -> Int:
+    """The tile count of `w_packed`, after checking it is a packed `[N, K]` weight."""
+    comptime assert block_cols == 16 or block_cols == TILE, "block_cols must be 16 or 64"
+    var tiles = w_packed.dim_size(0)
+    if (
+        w_packed.dim_size(1) != TILE // block_cols
+        or w_packed.dim_size(2) != K
+        or w_packed.dim_size(3) != block_cols
+        or (N + TILE - 1) // TILE != tiles
+    ):
+        raise Error(
+            name, ": w_packed [", tiles, ", ", w_packed.dim_size(1), ", ",
+            w_packed.dim_size(2), ", ", w_packed.dim_size(3), "] is not a [", N, ", ", K,
+            "] weight packed in blocks of ", block_cols, " columns",
+        )
+    return tiles
+
+
+@extensibility.register("maxkv.linear_packed")
+struct LinearPacked:
+    """`output[M, N] = x[M, K] @ w.T`, `w` packed as `[ceil(N / 64), 64 / block_cols, K, block_cols]`."""
+
+    @staticmethod
+    def execute[
+        block_cols: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.linear_packed runs on CPU"
+        var M = x.dim_size(0)
+        var K = x.dim_size(1)
+        var N = output.dim_size(1)
+        if output.dim_size(0) != M:
+            raise Error("maxkv.linear_packed: output rows ", output.dim_size(0), " != x rows ", M)
+        var tiles = _check_packed[block_cols]("maxkv.linear_packed", M, K, N, w_packed)
+        if M == 0:
+            return
+        var xp = x.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var wp = w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        # No quantized copy: its pointers are never read.
+        _linear[FLOAT32, block_cols](xp, wp, wp.unsafe_bitcast[UInt8](), wp, op, M, K, N, tiles)
 
 
 @extensibility.register("maxkv.linear_packed_q")
@@ -237,11 +238,11 @@ struct LinearPackedQ:
 
     @staticmethod
     def execute[
-        target: StaticString
+        block_cols: Int, target: StaticString
     ](
         output: OutputTensor[dtype=DType.float32, rank=2, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
-        w_packed: InputTensor[dtype=DType.float32, rank=3, ...],
+        w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
         q: InputTensor[dtype=DType.uint8, rank=3, ...],
         sm: InputTensor[dtype=DType.float32, rank=4, ...],
         ctx: DeviceContext,
@@ -250,14 +251,12 @@ struct LinearPackedQ:
         var M = x.dim_size(0)
         var K = x.dim_size(1)
         var N = output.dim_size(1)
-        var tiles = w_packed.dim_size(0)
+        if output.dim_size(0) != M:
+            raise Error("maxkv.linear_packed_q: output rows ", output.dim_size(0), " != x rows ", M)
+        var tiles = _check_packed[block_cols]("maxkv.linear_packed_q", M, K, N, w_packed)
         var q_width = q.dim_size(2)
         if (
-            output.dim_size(0) != M
-            or w_packed.dim_size(1) != K
-            or w_packed.dim_size(2) != TILE
-            or (N + TILE - 1) // TILE != tiles
-            or K % QBLOCK != 0
+            K % QBLOCK != 0
             or q.dim_size(0) != tiles
             or q.dim_size(1) != K
             or (q_width != TILE and q_width != TILE // 2)
@@ -267,26 +266,23 @@ struct LinearPackedQ:
             or sm.dim_size(3) != TILE
         ):
             raise Error(
-                "maxkv.linear_packed_q: shapes x [", M, ", ", K, "], w_packed [", tiles,
-                ", ", w_packed.dim_size(1), ", ", w_packed.dim_size(2), "], q [",
-                q.dim_size(0), ", ", q.dim_size(1), ", ", q_width, "], sm [", sm.dim_size(0),
-                ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ", sm.dim_size(3),
-                "], output [", output.dim_size(0), ", ", N, "] do not match",
+                "maxkv.linear_packed_q: q [", q.dim_size(0), ", ", q.dim_size(1), ", ", q_width,
+                "], sm [", sm.dim_size(0), ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ",
+                sm.dim_size(3), "] are not a quantized [", N, ", ", K, "] weight",
             )
         if M == 0:
             return
         var xp = x.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        if M > QUANT_MAX_ROWS:
-            var wp = w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-            _linear_f32(xp, wp, op, M, K, N, tiles)
-            return
+        var wp = w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var qp = q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var smp = sm.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        if q_width == TILE:
-            _linear_q[8](xp, qp, smp, op, M, K, N, tiles)
+        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        if M > QUANT_MAX_ROWS:
+            _linear[FLOAT32, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
+        elif q_width == TILE:
+            _linear[8, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
         else:
-            _linear_q[4](xp, qp, smp, op, M, K, N, tiles)
+            _linear[4, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
 
 
 @extensibility.register("maxkv.swiglu")

@@ -67,7 +67,7 @@ def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
     types = [
         *cache_types(params, 2, GPU),
         TensorType(DType.float32, ["t", 32], GPU),
-        TensorType(DType.float32, [4, 32, 64], GPU),
+        TensorType(DType.float32, [4, 1, 32, 64], GPU),
     ]
     with Graph("gpu_refusals", input_types=types, custom_extensions=[kernels]) as graph:
         *cache, x, w = (v.tensor for v in graph.inputs)

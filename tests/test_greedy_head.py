@@ -42,7 +42,7 @@ def head_models(session: InferenceSession, kernels: Path) -> tuple[Model, Model,
     """(greedy_head, linear_packed logits, the head), any number of rows."""
     w = _head(np.random.default_rng(0))
     q, info = kvops.pack_greedy_head(w)
-    registry = {"w": kvops.pack_linear_weight(w), "q": q, "info": info}
+    registry = {"w": kvops.pack_linear_weight(w, 64), "q": q, "info": info}
     device = DeviceRef.CPU()
     x_type = TensorType(DType.float32, ["m", _K], device)
     with Graph("greedy_head", input_types=[x_type], custom_extensions=[kernels]) as g:
@@ -111,14 +111,14 @@ def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernel
     ) as g:
         out = kvops.greedy_head(
             g.inputs[0].tensor,
-            Weight("w", DType.float32, (4, _K, 64), device),
+            Weight("w", DType.float32, (4, 1, _K, 64), device),
             Weight("q", DType.uint8, q.shape, device),
             Weight("info", DType.float32, info.shape, device),
             _N,
         )
         g.output(out)
     model = session.load(
-        g, weights_registry={"w": kvops.pack_linear_weight(w), "q": q, "info": info}
+        g, weights_registry={"w": kvops.pack_linear_weight(w, 64), "q": q, "info": info}
     )
     x = -np.abs(rng.standard_normal((5, _K))).astype(np.float32)
     got = model.execute(Buffer.from_numpy(x))[0].to_numpy()
@@ -151,13 +151,13 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
     device = DeviceRef.CPU()
     with Graph("bad_greedy", input_types=[TensorType(DType.float32, [2, _K], device)]) as g:
         x = g.inputs[0].tensor
-        w = Weight("w", DType.float32, (4, _K, 64), device)
+        w = Weight("w", DType.float32, (4, 1, _K, 64), device)
         q = Weight("q", DType.uint8, (4, _K // 4, 256), device)
         info = Weight("info", DType.float32, (4, 256), device)
         with pytest.raises(ValueError, match="does not match"):
             kvops.greedy_head(x, w, q, info, 300)
         with pytest.raises(ValueError, match="does not match"):
-            kvops.greedy_head(x, w, Weight("q2", DType.uint8, (4, _K, 64), device), info, _N)
+            kvops.greedy_head(x, w, Weight("q2", DType.uint8, (4, 1, _K, 64), device), info, _N)
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.greedy_head(x, w, Weight("q3", DType.int8, q.shape, device), info, _N)
         with pytest.raises(ValueError, match="positive int"):

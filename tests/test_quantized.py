@@ -120,22 +120,22 @@ _N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
 @pytest.fixture(scope="module")
 def linear_models(
     session: InferenceSession, kernels: Path
-) -> Callable[[int], tuple[Model, Model, np.ndarray]]:
-    """Per bits: (float32 linear_packed, quantized linear_packed, the weight), any M."""
-    built: dict[int, tuple[Model, Model, np.ndarray]] = {}
+) -> Callable[[int, int], tuple[Model, Model, np.ndarray]]:
+    """Per (bits, block_cols): (float32 linear_packed, quantized linear_packed, the weight)."""
+    built: dict[tuple[int, int], tuple[Model, Model, np.ndarray]] = {}
     device = DeviceRef.CPU()
 
-    def build(bits: int) -> tuple[Model, Model, np.ndarray]:
-        if bits not in built:
+    def build(bits: int, block_cols: int) -> tuple[Model, Model, np.ndarray]:
+        if (bits, block_cols) not in built:
             copy = _random_copy(np.random.default_rng(bits), _N, _K, bits)
             weight = copy.dequantize()
             assert copy.exactly(weight)
             q, sm = copy.pack()
-            registry = {"w": kvops.pack_linear_weight(weight), "q": q, "sm": sm}
+            registry = {"w": kvops.pack_linear_weight(weight, block_cols), "q": q, "sm": sm}
             models = []
             for quant in (False, True):
                 x_type = TensorType(DType.float32, ["m", _K], device)
-                name = f"lin_{bits}_{quant}"
+                name = f"lin_{bits}_{block_cols}_{quant}"
                 with Graph(name, input_types=[x_type], custom_extensions=[kernels]) as g:
                     w = Weight("w", DType.float32, registry["w"].shape, device)
                     quantized = None
@@ -147,19 +147,25 @@ def linear_models(
                     g.output(kvops.linear_packed(g.inputs[0].tensor, w, _N, quantized))
                 used = registry if quant else {"w": registry["w"]}
                 models.append(session.load(g, weights_registry=used))
-            built[bits] = (models[0], models[1], weight)
-        return built[bits]
+            built[bits, block_cols] = (models[0], models[1], weight)
+        return built[bits, block_cols]
 
     return build
 
 
+@pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_matmul_is_bit_identical_to_float32(
-    linear_models: Callable[[int], tuple[Model, Model, np.ndarray]], bits: int
+    linear_models: Callable[[int, int], tuple[Model, Model, np.ndarray]],
+    bits: int,
+    block_cols: int,
 ) -> None:
-    f32, quant, weight = linear_models(bits)
+    """Both layouts (and register blocks) on any CPU: the host's own and the other one."""
+    f32, quant, weight = linear_models(bits, block_cols)
     rng = np.random.default_rng(10 + bits)
-    for m in (1, 2, 3, 4, 5, 8, 9, 33):  # <= 8 rows read the quantized copy
+    # <= 8 rows read the quantized copy; the others cover every register-block split
+    # (blocks of 4 rows with 64 columns, of 6 with 16)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
         x = rng.standard_normal((m, _K)).astype(np.float32)
         expected = f32.execute(Buffer.from_numpy(x))[0].to_numpy()
         got = quant.execute(Buffer.from_numpy(x))[0].to_numpy()
@@ -170,12 +176,45 @@ def test_quantized_matmul_is_bit_identical_to_float32(
         assert np.all(np.abs(got - reference) <= bound), f"M={m}"
 
 
+def test_the_matmul_layouts_agree_bit_for_bit(
+    linear_models: Callable[[int, int], tuple[Model, Model, np.ndarray]],
+) -> None:
+    """Each output is one fma per k in order, whatever the block: the layouts agree exactly."""
+    (f16, _, _), (f64, _, _) = linear_models(8, 16), linear_models(8, 64)
+    x = np.random.default_rng(3).standard_normal((19, _K)).astype(np.float32)
+    np.testing.assert_array_equal(
+        f16.execute(Buffer.from_numpy(x))[0].to_numpy(),
+        f64.execute(Buffer.from_numpy(x))[0].to_numpy(),
+    )
+
+
+def test_pack_linear_weight_layout() -> None:
+    """Tile t, block b, row k holds w[64 t + bc b : ..., k]; padding is zero; cache-line aligned."""
+    w = np.random.default_rng(4).standard_normal((_N, _K)).astype(np.float32)
+    for bc in kvops.BLOCK_COLS:
+        packed = kvops.pack_linear_weight(w, bc)
+        assert packed.shape == (4, 64 // bc, _K, bc)
+        assert packed.ctypes.data % 64 == 0 and packed.flags.c_contiguous
+        for t in range(4):
+            for b in range(64 // bc):
+                start = 64 * t + bc * b
+                expected = np.zeros((_K, bc), np.float32)
+                cols = w[start : start + bc]
+                expected[:, : len(cols)] = cols.T
+                np.testing.assert_array_equal(packed[t, b], expected, err_msg=f"t={t} b={b}")
+    assert kvops.pack_linear_weight(w).shape[3] == kvops.packed_block_cols()
+    with pytest.raises(ValueError, match="block_cols"):
+        kvops.pack_linear_weight(w, 32)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        kvops.pack_linear_weight(w[0])
+
+
 def test_quantized_matmul_refuses_mismatched_copies() -> None:
     device = DeviceRef.CPU()
     copy = _random_copy(np.random.default_rng(1), _N, _K, 4)
     q, sm = copy.pack()
     with Graph("bad_q", input_types=[TensorType(DType.float32, [2, _K], device)]) as g:
-        w = Weight("w", DType.float32, (4, _K, 64), device)
+        w = Weight("w", DType.float32, (4, 1, _K, 64), device)
         good_q = Weight("q", DType.uint8, q.shape, device)
         good_sm = Weight("sm", DType.float32, sm.shape, device)
         x = g.inputs[0].tensor
@@ -188,3 +227,8 @@ def test_quantized_matmul_refuses_mismatched_copies() -> None:
             kvops.linear_packed(x, w, _N, (good_q, short_sm))
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.linear_packed(x, w, _N, (float_q, good_sm))
+        bad_shapes = [(4, 2, _K, 16), (4, 4, _K, 32), (4, _K, 64), (3, 1, _K, 64), (4, 1, 8, 64)]
+        for i, shape in enumerate(bad_shapes):
+            bad = Weight(f"bad_w{i}", DType.float32, shape, device)
+            with pytest.raises(ValueError, match=r"packed|rank"):
+                kvops.linear_packed(x, bad, _N)

@@ -14,6 +14,7 @@ must load :func:`maxkv.kernels_path` as a custom extension.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Literal
@@ -23,6 +24,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
 
+from .arrays import aligned_zeros
 from .graph import BATCH_DIM, KVCacheCollection, same_device
 from .params import KVCacheParams
 
@@ -495,22 +497,59 @@ def copy_tokens(
 
 #: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
 PACKED_TILE = 64
+#: Column-block widths :func:`linear_packed` takes (see :func:`packed_block_cols`).
+BLOCK_COLS = (16, 64)
 
 
-def pack_linear_weight(weight: np.ndarray) -> np.ndarray:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This host's CPU feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def packed_block_cols() -> int:
+    """The column-block width :func:`pack_linear_weight` uses on this host.
+
+    64 on x86 CPUs with AVX-512 (32 vector registers hold a 4 x 64 block of
+    outputs), 16 elsewhere (AVX2's 16 registers hold 6 x 16).  Either width
+    gives the same results on any CPU; this one is the fast one here.
+    """
+    return 64 if "avx512f" in _cpu_flags() else 16
+
+
+def pack_linear_weight(weight: np.ndarray, block_cols: int | None = None) -> np.ndarray:
     """Packs a float32 ``[N, K]`` weight for :func:`linear_packed`.
 
-    Returns ``[ceil(N / 64), K, 64]``: tile *t*, row *k* holds
-    ``weight[64 t : 64 t + 64, k]``, zero-padded past ``N``.
+    Returns ``[ceil(N / 64), 64 / block_cols, K, block_cols]``: tile *t*,
+    column block *b*, row *k* holds ``weight[64 t + block_cols b : 64 t +
+    block_cols (b + 1), k]``, zero-padded past ``N``, so that each of the
+    kernel's register blocks reads its weights contiguously.  ``block_cols``
+    (16 or 64) defaults to :func:`packed_block_cols`.  The array starts on a
+    cache line (:mod:`maxkv.arrays`), as the kernel's vector loads want.
     """
+    bc = packed_block_cols() if block_cols is None else block_cols
+    if bc not in BLOCK_COLS:
+        raise ValueError(f"block_cols must be one of {BLOCK_COLS}, got {block_cols!r}")
     w = np.asarray(weight, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"weight must be [N, K], got shape {w.shape}")
     n, k = w.shape
     tiles = -(-n // PACKED_TILE)
-    padded = np.zeros((tiles * PACKED_TILE, k), np.float32)
-    padded[:n] = w
-    return np.ascontiguousarray(padded.reshape(tiles, PACKED_TILE, k).transpose(0, 2, 1))
+    blocks = PACKED_TILE // bc
+    packed = aligned_zeros((tiles, blocks, k, bc), np.float32)
+    full = n // bc  # column blocks with no padding
+    flat = packed.reshape(tiles * blocks, k, bc)
+    flat[:full] = w[: full * bc].reshape(full, bc, k).transpose(0, 2, 1)
+    if n > full * bc:
+        flat[full, :, : n - full * bc] = w[full * bc :].T
+    return packed
 
 
 def linear_packed(
@@ -531,7 +570,8 @@ def linear_packed(
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
-        w_packed: float32 ``[ceil(out_features / 64), K, 64]`` on the CPU.
+        w_packed: float32 ``[ceil(out_features / 64), 64 / block_cols, K,
+            block_cols]`` on the CPU (:func:`pack_linear_weight`).
         out_features: ``N``, the rows of the unpacked weight.
         quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
             (bits 4 or 8) and float32 ``[ceil(N / 64), K / 32, 2, 64]``.
@@ -540,7 +580,7 @@ def linear_packed(
         float32 ``[M, out_features]``.
     """
     _check_tensor("x", x, DType.float32, 2)
-    _check_tensor("w_packed", w_packed, DType.float32, 3)
+    _check_tensor("w_packed", w_packed, DType.float32, 4)
     values = [x, w_packed]
     if quantized is not None:
         q, sm = quantized
@@ -553,11 +593,16 @@ def linear_packed(
     if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
         raise ValueError(f"out_features must be a positive int, got {out_features!r}")
     k = _static_dim("x", x, 1)
-    tiles, k_w, tile = (_static_dim("w_packed", w_packed, i) for i in range(3))
-    if tile != PACKED_TILE or k_w != k or tiles != -(-out_features // PACKED_TILE):
+    tiles, blocks, k_w, bc = (_static_dim("w_packed", w_packed, i) for i in range(4))
+    if (
+        bc not in BLOCK_COLS
+        or blocks * bc != PACKED_TILE
+        or k_w != k
+        or tiles != -(-out_features // PACKED_TILE)
+    ):
         raise ValueError(
             f"w_packed {list(w_packed.shape)} is not a packed [{out_features}, {k}] weight "
-            f"(expected [{-(-out_features // PACKED_TILE)}, {k}, {PACKED_TILE}])"
+            f"(expected [{-(-out_features // PACKED_TILE)}, 64 / b, {k}, b], b in {BLOCK_COLS})"
         )
     if quantized is not None:
         q, sm = quantized
@@ -578,6 +623,7 @@ def linear_packed(
         device=x.device,
         values=values,
         out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],
+        parameters={"block_cols": bc},
     )[0].tensor
 
 
@@ -589,14 +635,7 @@ def greedy_head_supported() -> bool:
     """
     if os.environ.get("MAXKV_GREEDY_HEAD", "1") == "0":
         return False
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_vnni" in line.split()
-    except OSError:
-        pass
-    return False
+    return "avx512_vnni" in _cpu_flags()
 
 
 def pack_greedy_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -663,8 +702,8 @@ def greedy_head(
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
-        w_packed: the head, float32 ``[ceil(vocab / 64), K, 64]``
-            (:func:`pack_linear_weight`).
+        w_packed: the head, float32 ``[ceil(vocab / 64), 1, K, 64]``
+            (:func:`pack_linear_weight` with ``block_cols=64``).
         q, info: :func:`pack_greedy_head` of the same head.
         vocab: ``N``, the head's rows.
 
@@ -672,7 +711,7 @@ def greedy_head(
         int64 ``[M]``.
     """
     _check_tensor("x", x, DType.float32, 2)
-    _check_tensor("w_packed", w_packed, DType.float32, 3)
+    _check_tensor("w_packed", w_packed, DType.float32, 4)
     _check_tensor("q", q, DType.uint8, 3)
     _check_tensor("info", info, DType.float32, 2)
     for name, value in (("x", x), ("w_packed", w_packed), ("q", q), ("info", info)):
@@ -683,7 +722,10 @@ def greedy_head(
     k = _static_dim("x", x, 1)
     tiles = -(-vocab // PACKED_TILE)
     shapes = {
-        "w_packed": ([_static_dim("w_packed", w_packed, i) for i in range(3)], [tiles, k, 64]),
+        "w_packed": (
+            [_static_dim("w_packed", w_packed, i) for i in range(4)],
+            [tiles, 1, k, PACKED_TILE],
+        ),
         "q": ([_static_dim("q", q, i) for i in range(3)], [tiles, k // 4, 4 * PACKED_TILE]),
         "info": ([_static_dim("info", info, i) for i in range(2)], [4, tiles * PACKED_TILE]),
     }

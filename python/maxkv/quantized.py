@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import aligned
+
 #: Weights per block along the input dimension.
 BLOCK = 32
 #: Output columns per packed tile (as :data:`maxkv.ops.PACKED_TILE`).
@@ -121,7 +123,7 @@ class BlockQuantized:
         sm[0, :n] = self.scale
         sm[1, :n] = self.offset
         sm_packed = sm.reshape(2, tiles, TILE, blocks).transpose(1, 3, 0, 2)
-        return np.ascontiguousarray(q_packed), np.ascontiguousarray(sm_packed)
+        return aligned(q_packed), aligned(sm_packed)
 
 
 def _exact_products(q: np.ndarray, scale: np.ndarray) -> np.ndarray:

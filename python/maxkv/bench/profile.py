@@ -25,6 +25,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 from .. import ops as kvops
+from ..arrays import aligned
 from ..graph import FetchContinuousBatchingKVCacheCollection
 from ..kernels import kernels_path
 from ..manager import ContinuousBatchingKVCacheManager
@@ -128,7 +129,7 @@ class _Profiler:
         """Graph weights ``<part><i>`` of ``arrays`` (copies when ``fresh``), into ``registry``."""
         bound = {}
         for part, a in arrays.items():
-            registry[f"{part}{i}"] = a.copy() if fresh else a
+            registry[f"{part}{i}"] = aligned(a, copy=True) if fresh else a
             bound[part] = Weight(f"{part}{i}", DType.from_numpy(a.dtype), a.shape, self.ref)
         return bound
 
@@ -141,7 +142,7 @@ class _Profiler:
         ``i % len(layers)``, a fresh copy of it when reused, so every
         application streams its own weights.
         """
-        in_features = int(layers[0]["w"].shape[1])
+        in_features = int(layers[0]["w"].shape[2])
 
         def build(count: int) -> tuple[Graph, dict[str, np.ndarray], list[Buffer]]:
             types = [TensorType(DType.float32, [self.batch, in_features], self.ref)]
@@ -166,7 +167,7 @@ class _Profiler:
         On normalized Gaussian rows: their logits are flatter than a real
         model's, so more tiles stay candidates and this errs on the slow side.
         """
-        hidden = int(head["w"].shape[1])
+        hidden = int(head["w"].shape[2])
 
         def build(count: int) -> tuple[Graph, dict[str, np.ndarray], list[Buffer]]:
             types = [TensorType(DType.float32, [self.batch, hidden], self.ref)]

@@ -19,6 +19,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 from .. import ops as kvops
+from ..arrays import aligned
 from ..graph import KVCacheCollection
 from ..kernels import kernels_path
 from ..params import KVCacheParams
@@ -121,10 +122,8 @@ def graph_weights(
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
         head = matrix_sources(config, packed=True)["lm_head"][0]
         out["lm_head.greedy_q"], out["lm_head.greedy_info"] = kvops.pack_greedy_head(w[head])
-    prepared = {
-        name: np.ascontiguousarray(a, dtype=_weight_dtype(name).to_numpy())
-        for name, a in out.items()
-    }
+    # On a cache line each: MAX hands these arrays to the kernels where they lie.
+    prepared = {name: aligned(a, _weight_dtype(name).to_numpy()) for name, a in out.items()}
     expected = graph_weight_shapes(
         config, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head
     )
@@ -161,9 +160,12 @@ def graph_weight_shapes(
     c = config
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
 
+    bc = kvops.packed_block_cols()
+
     def matrix(out_features: int, in_features: int) -> tuple[int, ...]:
         if packed:
-            return (-(-out_features // kvops.PACKED_TILE), in_features, kvops.PACKED_TILE)
+            tiles = -(-out_features // kvops.PACKED_TILE)
+            return (tiles, kvops.PACKED_TILE // bc, in_features, bc)
         return (out_features, in_features)
 
     shapes: dict[str, tuple[int, ...]] = {
@@ -183,9 +185,9 @@ def graph_weight_shapes(
             f"layers.{i}.down": matrix(c.hidden_size, c.intermediate_size),
         }
     for name, bits in (quant_bits or {}).items():
-        tiles, k, tile = shapes[name]
-        shapes[f"{name}.q"] = (tiles, k, tile * bits // 8)
-        shapes[f"{name}.sm"] = (tiles, k // 32, 2, tile)
+        tiles, _, k, _ = shapes[name]
+        shapes[f"{name}.q"] = (tiles, k, kvops.PACKED_TILE * bits // 8)
+        shapes[f"{name}.sm"] = (tiles, k // 32, 2, kvops.PACKED_TILE)
     if greedy_head:
         tiles = -(-c.vocab_size // kvops.PACKED_TILE)
         shapes["lm_head.greedy_q"] = (tiles, c.hidden_size // 4, 4 * kvops.PACKED_TILE)
@@ -348,6 +350,7 @@ class LlamaModel:
             and output == "tokens"
             and config.hidden_size % 4 == 0
             and kvops.greedy_head_supported()
+            and kvops.packed_block_cols() == kvops.PACKED_TILE
         )
         registry = graph_weights(
             config,
