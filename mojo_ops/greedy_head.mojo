@@ -5,11 +5,16 @@ head `[N, K]` (N ~ 50k).  The op finds the same token as `maxkv.linear_packed`
 followed by an argmax (same float32 logits, first index on ties) in three
 passes:
 
-1. Approximate every logit with AVX-512 VNNI int8 dot products (4x the
-   multiply-adds of float32 per instruction, 4x fewer weight bytes): each row
-   of `x` is split into two int8 levels, `x ~ s1 k1 + s2 k2` (`s = max|.| /
-   127` of what the levels before left), and `w` is held as a per-row int8
-   copy `w' = t q` (`maxkv.ops.pack_greedy_head`).
+1. Approximate every logit with integer dot products, on an int8 copy of
+   the head `w' = t q` (per row `t = max|w| / 127`, `maxkv.ops.pack_greedy_head`),
+   exact in int32:
+   - with AVX-512 VNNI (`VPDPBUSD`, 4x the multiply-adds of float32 per
+     instruction), each row of `x` split into two int8 levels,
+     `x ~ s1 k1 + s2 k2` (`s = max|.| / 127` of what the levels before left);
+   - with AVX2 (`VPMADDWD` on the int8 copy widened to int16, measured 1.7x
+     the multiply-adds per second of the float32 kernel here), each row of `x`
+     as one int16 level `x ~ s k`, `|k| <= 16383` (fewer where K is so large
+     that the int32 sums could overflow).
 2. Bound each approximation's error: for the float32 logit `L_n` that
    `linear_packed` computes,
    `|L_n - A_n| <= |w_n| |r| + |w_n - w'_n| |x'| + (K + 2) u |w_n| |x| + rounding`
@@ -25,8 +30,10 @@ passes:
 On SmolLM2-135M's decode rows the candidates are 1 to 20 of 49,152 logits, so
 step 3 costs little; a row with flat logits (random input) just recomputes
 more tiles, each tile read once for all the rows that need it.  Rows with
-non-finite values are recomputed in full.  CPU with AVX-512 VNNI only
+non-finite values are recomputed in full.  x86 CPUs with AVX-512 VNNI or AVX2
 (`maxkv.ops.greedy_head_supported`); elsewhere models compute the logits.
+The layout of the int8 copy is the one the compiled target reads (the op
+checks it): `[tiles, K / 4, 256]` for VNNI, `[tiles, 2 K, 32]` for AVX2.
 """
 
 import extensibility
@@ -41,7 +48,7 @@ from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 from std.utils import StaticTuple
 
-from .linear import FLOAT32, TILE, Acc, Ptr, _block
+from .linear import FLOAT32, TILE, Acc, Ptr, _block, _next_rows
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime I32x16 = SIMD[DType.int32, 16]
@@ -49,8 +56,16 @@ comptime LANES = 16
 """int32 lanes of one VNNI accumulator: 16 vocabulary rows."""
 comptime GROUPS = TILE // LANES
 """Accumulators per row across one 64-row tile of the int8 copy."""
-comptime LEVELS = 2
-"""int8 levels each row of `x` is split into."""
+comptime VNNI = CompilationTarget.has_vnni()
+"""Whether the target has AVX-512 VNNI (else the AVX2 path runs)."""
+comptime LEVELS = 2 if VNNI else 1
+"""Integer levels each row of `x` is split into: two int8 (VNNI), one int16 (AVX2)."""
+comptime I16_LEVEL_MAX = 16383
+"""Largest |k| of an int16 level (AVX2), where K allows (`_level_max`)."""
+comptime MADD_COLS = 16
+"""Columns per register block of the AVX2 path: two vectors of 8 int32 sums."""
+comptime MADD_ROWS = 6
+"""Rows per register block of the AVX2 path (12 of 16 vector registers)."""
 comptime UNIT = 5.9604644775390625e-8
 """2^-24, float32's unit roundoff."""
 
@@ -97,6 +112,52 @@ def _approx_rows[R: Int](
             dst.unsafe_store((m0 + r) * NP + n, a)
 
 
+def _level_max(K: Int) -> Int:
+    """Largest |level| of `x`: 127 (int8, VNNI), else 16383 or what keeps
+    `K * level * 127` (the int32 sum's largest magnitude) below 2^31."""
+    comptime if VNNI:
+        return 127
+    return min(I16_LEVEL_MAX, 2147483647 // (127 * K))
+
+
+@always_inline
+def _madd(a: SIMD[DType.int16, 16], b: SIMD[DType.int16, 16]) -> SIMD[DType.int32, 8]:
+    """`a[2 i] b[2 i] + a[2 i + 1] b[2 i + 1]` per int32 lane (VPMADDWD), exact."""
+    return llvm_intrinsic["llvm.x86.avx2.pmadd.wd", SIMD[DType.int32, 8], has_side_effect=False](
+        a, b
+    )
+
+
+@always_inline
+def _approx_rows_madd[R: Int, C0: Int](
+    xq: U8Ptr, wq: U8Ptr, info: Ptr, scale_x: Ptr, dst: Ptr, m0: Int, K: Int, NP: Int, n0: Int
+):
+    """`dst[m, n0 + C0 : n0 + C0 + 16]` = the int16-level approximation of rows `m0 .. m0 + R`.
+
+    `xq` `[M, K]` holds each row's int16 level; `wq` is this tile's
+    16-column block of the int8 copy, `[K / 2, 16, 2]` (two consecutive `k`
+    per column, as VPMADDWD pairs them), widened to int16 on load.  The
+    int32 sums are exact (`_level_max`); each is scaled by `t * s` once.
+    """
+    comptime V = SIMD[DType.int32, 8]
+    var acc = StaticTuple[V, 2 * R](fill=V(0))
+    var xw = xq.unsafe_bitcast[Int32]()
+    var pairs = K // 2
+    for p in range(pairs):
+        var w0 = bitcast[DType.int8, 16](wq.unsafe_load[width=16](p * 32)).cast[DType.int16]()
+        var w1 = bitcast[DType.int8, 16](wq.unsafe_load[width=16](p * 32 + 16)).cast[DType.int16]()
+        comptime for r in range(R):
+            var xv = bitcast[DType.int16, 16](V(xw[unsafe_offset=(m0 + r) * pairs + p]))
+            acc[2 * r] = acc[2 * r] + _madd(xv, w0)
+            acc[2 * r + 1] = acc[2 * r + 1] + _madd(xv, w1)
+    comptime for r in range(R):
+        comptime for v in range(2):
+            var n = n0 + C0 + 8 * v
+            var t = info.unsafe_load[width=8](n)
+            var a = acc[2 * r + v].cast[DType.float32]() * (t * scale_x[unsafe_offset=m0 + r])
+            dst.unsafe_store((m0 + r) * NP + n, a)
+
+
 @always_inline
 def _bounds(approx: Ptr, info: Ptr, norms: Ptr, M: Int, NP: Int, m: Int, t: Int) -> Tuple[Acc, Acc]:
     """Lower and upper bounds of row `m`'s float32 logits in tile `t`."""
@@ -112,14 +173,15 @@ def _bounds(approx: Ptr, info: Ptr, norms: Ptr, M: Int, NP: Int, m: Int, t: Int)
 struct GreedyHead:
     """`output[m] = argmax_n (x @ w.T)[m, n]` over the first `vocab` columns.
 
-    `w_packed` `[tiles, 1, K, 64]` is the float32 head as `maxkv.linear_packed`
-    takes it in blocks of 64 columns; `wq` `[tiles, K / 4, 256]` and `info` `[4, tiles * 64]` are
-    its int8 copy and per-row bounds from `maxkv.ops.pack_greedy_head`.
+    `w_packed` `[tiles, 64 / block_cols, K, block_cols]` is the float32 head
+    as `maxkv.linear_packed` takes it; `wq` (`[tiles, K / 4, 256]` with VNNI,
+    `[tiles, 2 K, 32]` with AVX2) and `info` `[4, tiles * 64]` are its int8
+    copy and per-row bounds from `maxkv.ops.pack_greedy_head`.
     """
 
     @staticmethod
     def execute[
-        target: StaticString, vocab: Int
+        block_cols: Int, target: StaticString, vocab: Int
     ](
         output: OutputTensor[dtype=DType.int64, rank=1, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -129,8 +191,8 @@ struct GreedyHead:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "maxkv.greedy_head runs on CPU"
-        comptime if not CompilationTarget.has_vnni():
-            raise Error("maxkv.greedy_head needs AVX-512 VNNI")
+        comptime if not VNNI and not CompilationTarget.has_avx2():
+            raise Error("maxkv.greedy_head needs AVX-512 VNNI or AVX2")
         var M = x.dim_size(0)
         var K = x.dim_size(1)
         var tiles = w_packed.dim_size(0)
@@ -138,14 +200,14 @@ struct GreedyHead:
         var N = vocab
         if (
             output.dim_size(0) != M
-            or K % 4 != 0
-            or w_packed.dim_size(1) != 1
+            or K % (4 if VNNI else 2) != 0
+            or w_packed.dim_size(1) != TILE // block_cols
             or w_packed.dim_size(2) != K
-            or w_packed.dim_size(3) != TILE
+            or w_packed.dim_size(3) != block_cols
             or (N + TILE - 1) // TILE != tiles
             or wq.dim_size(0) != tiles
-            or wq.dim_size(1) != K // 4
-            or wq.dim_size(2) != 4 * TILE
+            or wq.dim_size(1) != (K // 4 if VNNI else 2 * K)
+            or wq.dim_size(2) != (4 * TILE if VNNI else 2 * MADD_COLS)
             or info.dim_size(0) != 4
             or info.dim_size(1) != NP
         ):
@@ -155,7 +217,7 @@ struct GreedyHead:
                 "], wq [", wq.dim_size(0),
                 ", ", wq.dim_size(1), ", ", wq.dim_size(2), "], info [", info.dim_size(0),
                 ", ", info.dim_size(1), "], output [", output.dim_size(0), "] do not match a ",
-                N, "-row head",
+                N, "-row head (int8 copy laid out for ", "VNNI" if VNNI else "AVX2", ")",
             )
         if M == 0:
             return
@@ -164,7 +226,12 @@ struct GreedyHead:
         var wqp = wq.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var ip = info.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var xq = alloc[UInt8](LEVELS * M * K).unsafe_origin_cast[MutUntrackedOrigin]()
+        # x's levels: uint8 `k + 128` [LEVELS, M, K] (VNNI), int16 `k` [M, K] (AVX2).
+        var xq = alloc[UInt8](LEVELS * M * K * (1 if VNNI else 2)).unsafe_origin_cast[
+            MutUntrackedOrigin
+        ]()
+        var xq16 = xq.unsafe_bitcast[Int16]()
+        var level_max = Float32(_level_max(K))
         # norms: s per (level, row), then alpha and beta per row.
         var norms = alloc[Float32]((LEVELS + 2) * M).unsafe_origin_cast[MutUntrackedOrigin]()
         var approx = alloc[Float32](M * NP).unsafe_origin_cast[MutUntrackedOrigin]()
@@ -172,7 +239,7 @@ struct GreedyHead:
         var finite = alloc[Bool](M).unsafe_origin_cast[MutUntrackedOrigin]()
         var residual = alloc[Float32](K).unsafe_origin_cast[MutUntrackedOrigin]()
 
-        # Split each row into int8 levels; alpha = |r| + (K + 2) u |x| +
+        # Split each row into integer levels; alpha = |r| + (K + 2) u |x| +
         # 2^-19 |x| (the last covers rounding each level's `t s I` product),
         # beta = |x'|, both from float64 sums of exact float64 values.
         for m in range(M):
@@ -186,12 +253,15 @@ struct GreedyHead:
                 var amax: Float32 = 0
                 for k in range(K):
                     amax = max(amax, abs(residual[unsafe_offset=k]))
-                var s = amax / 127 if amax > 0 and ok else Float32(1)
+                var s = amax / level_max if amax > 0 and ok else Float32(1)
                 for k in range(K):
                     var level = Float32(0)
                     if ok:
-                        level = max(Float32(-127), min(Float32(127), (residual[unsafe_offset=k] / s).__round__()))
-                    xq[unsafe_offset=(l * M + m) * K + k] = UInt8(Int(level) + 128)
+                        level = max(-level_max, min(level_max, (residual[unsafe_offset=k] / s).__round__()))
+                    comptime if VNNI:
+                        xq[unsafe_offset=(l * M + m) * K + k] = UInt8(Int(level) + 128)
+                    else:
+                        xq16[unsafe_offset=m * K + k] = Int16(Int(level))
                     residual[unsafe_offset=k] = residual[unsafe_offset=k] - level * s
                 norms[unsafe_offset=l * M + m] = s
             var rr: Float64 = 0
@@ -201,9 +271,12 @@ struct GreedyHead:
                 var v = Float64(row[unsafe_offset=k])
                 var approx_v: Float64 = 0
                 comptime for l in range(LEVELS):
-                    approx_v += (Float64(Int(xq[unsafe_offset=(l * M + m) * K + k])) - 128) * Float64(
-                        norms[unsafe_offset=l * M + m]
-                    )
+                    var level: Float64
+                    comptime if VNNI:
+                        level = Float64(Int(xq[unsafe_offset=(l * M + m) * K + k])) - 128
+                    else:
+                        level = Float64(Int(xq16[unsafe_offset=m * K + k]))
+                    approx_v += level * Float64(norms[unsafe_offset=l * M + m])
                 rr += (v - approx_v) * (v - approx_v)
                 xx += v * v
                 pp += approx_v * approx_v
@@ -216,16 +289,29 @@ struct GreedyHead:
         var workers = max(1, min(parallelism_level(None), tiles))
 
         def approximate(worker: Int) {imm}:
-            comptime R = 4 // LEVELS
             for t in range(worker * tiles // workers, (worker + 1) * tiles // workers):
                 var wt = wqp.unsafe_offset(t * K * TILE)
-                var m = 0
-                while m + R <= M:
-                    _approx_rows[R](xq, wt, ip, norms, approx, m, M, K, NP, t * TILE)
-                    m += R
-                while m < M:
-                    _approx_rows[1](xq, wt, ip, norms, approx, m, M, K, NP, t * TILE)
-                    m += 1
+                comptime if VNNI:
+                    comptime R = 4 // LEVELS
+                    var m = 0
+                    while m + R <= M:
+                        _approx_rows[R](xq, wt, ip, norms, approx, m, M, K, NP, t * TILE)
+                        m += R
+                    while m < M:
+                        _approx_rows[1](xq, wt, ip, norms, approx, m, M, K, NP, t * TILE)
+                        m += 1
+                else:
+                    comptime for b in range(TILE // MADD_COLS):
+                        var wb = wt.unsafe_offset(b * K * MADD_COLS)
+                        var m = 0
+                        while m < M:
+                            var rows = _next_rows[MADD_ROWS](M - m)
+                            comptime for r in range(1, MADD_ROWS + 1):
+                                if rows == r:
+                                    _approx_rows_madd[r, b * MADD_COLS](
+                                        xq, wb, ip, norms, approx, m, K, NP, t * TILE
+                                    )
+                            m += rows
 
         sync_parallelize(approximate, workers)
 
@@ -248,11 +334,14 @@ struct GreedyHead:
 
         def recompute(worker: Int) {imm}:
             for t in range(worker * tiles // workers, (worker + 1) * tiles // workers):
-                var w_tile = wp.unsafe_offset(t * K * TILE)
                 for m in range(M):
                     if needed[unsafe_offset=m * tiles + t]:
                         # linear_packed's arithmetic: one fma per k, in order.
-                        _block[1, FLOAT32, TILE, 0](xp, w_tile, wqp, ip, approx, m, K, NP, t * TILE)
+                        comptime for b in range(TILE // block_cols):
+                            var w = wp.unsafe_offset((t * TILE + b * block_cols) * K)
+                            _block[1, FLOAT32, block_cols, b * block_cols](
+                                xp, w, wqp, ip, approx, m, K, NP, t * TILE
+                            )
 
         sync_parallelize(recompute, workers)
 

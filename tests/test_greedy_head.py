@@ -22,7 +22,7 @@ from maxkv import ops as kvops
 from maxkv.models.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(
-    not kvops.greedy_head_supported(), reason="maxkv.greedy_head needs AVX-512 VNNI"
+    not kvops.greedy_head_supported(), reason="maxkv.greedy_head needs AVX-512 VNNI or AVX2"
 )
 
 _N, _K = 200, 64  # 4 tiles, the last one partly padding
@@ -42,7 +42,7 @@ def head_models(session: InferenceSession, kernels: Path) -> tuple[Model, Model,
     """(greedy_head, linear_packed logits, the head), any number of rows."""
     w = _head(np.random.default_rng(0))
     q, info = kvops.pack_greedy_head(w)
-    registry = {"w": kvops.pack_linear_weight(w, 64), "q": q, "info": info}
+    registry = {"w": kvops.pack_linear_weight(w), "q": q, "info": info}
     device = DeviceRef.CPU()
     x_type = TensorType(DType.float32, ["m", _K], device)
     with Graph("greedy_head", input_types=[x_type], custom_extensions=[kernels]) as g:
@@ -76,6 +76,7 @@ def _inputs(rng: np.random.Generator, w: np.ndarray) -> dict[str, np.ndarray]:
         "negative": negative,
         "zeros": np.zeros((3, _K), np.float32),
         "one_row": flat[:1],
+        "fourteen_rows": rng.standard_normal((14, _K)).astype(np.float32),
         "tiny": (flat * 1e-30).astype(np.float32),
     }
 
@@ -99,10 +100,16 @@ def test_greedy_head_equals_the_argmax_of_every_float32_logit(
 
 
 def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernels: Path) -> None:
-    """Every logit negative and a padded last tile: padding must never win or decide."""
+    """Every logit negative and a padded last tile: padding must never win or decide.
+
+    The head is packed in the column blocks this host does not use by default,
+    so the float32 recompute runs over both layouts (``head_models`` has the other).
+    """
     rng = np.random.default_rng(2)
     w = np.abs(rng.standard_normal((_N, _K))).astype(np.float32)
     q, info = kvops.pack_greedy_head(w)
+    other = next(b for b in kvops.BLOCK_COLS if b != kvops.packed_block_cols())
+    packed = kvops.pack_linear_weight(w, other)
     device = DeviceRef.CPU()
     with Graph(
         "greedy_neg",
@@ -111,15 +118,13 @@ def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernel
     ) as g:
         out = kvops.greedy_head(
             g.inputs[0].tensor,
-            Weight("w", DType.float32, (4, 1, _K, 64), device),
+            Weight("w", DType.float32, packed.shape, device),
             Weight("q", DType.uint8, q.shape, device),
             Weight("info", DType.float32, info.shape, device),
             _N,
         )
         g.output(out)
-    model = session.load(
-        g, weights_registry={"w": kvops.pack_linear_weight(w, 64), "q": q, "info": info}
-    )
+    model = session.load(g, weights_registry={"w": packed, "q": q, "info": info})
     x = -np.abs(rng.standard_normal((5, _K))).astype(np.float32)
     got = model.execute(Buffer.from_numpy(x))[0].to_numpy()
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
@@ -127,13 +132,19 @@ def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernel
     np.testing.assert_array_equal(got, np.argmax(exact, axis=-1))
 
 
-def test_pack_greedy_head_bounds_its_own_error() -> None:
+@pytest.mark.parametrize("layout", kvops.GREEDY_HEAD_LAYOUTS)
+def test_pack_greedy_head_bounds_its_own_error(layout: kvops.GreedyHeadLayout) -> None:
     w = _head(np.random.default_rng(3))
-    q, info = kvops.pack_greedy_head(w)
-    assert q.shape == (4, _K // 4, 256) and q.dtype == np.uint8
+    q, info = kvops.pack_greedy_head(w, layout)
+    assert q.dtype == np.uint8 and q.ctypes.data % 64 == 0
     assert info.shape == (4, 256) and info.dtype == np.float32
-    # Undo the VPDPBUSD layout: tile, group of 4 columns, 4 x 16 rows, 4 bytes.
-    ints = q.view(np.int8).reshape(4, _K // 4, 4, 16, 4).transpose(0, 2, 3, 1, 4).reshape(256, _K)
+    raw = q.view(np.int8)
+    if layout == "vnni":  # tile, group of 4 columns, 4 x 16 rows, 4 bytes (VPDPBUSD)
+        assert q.shape == (4, _K // 4, 256)
+        ints = raw.reshape(4, _K // 4, 4, 16, 4).transpose(0, 2, 3, 1, 4).reshape(256, _K)
+    else:  # tile, 4 blocks of 16 rows, pairs of columns, 16 rows x 2 (VPMADDWD)
+        assert q.shape == (4, 2 * _K, 32)
+        ints = raw.reshape(4, 4, _K // 2, 16, 2).transpose(0, 1, 3, 2, 4).reshape(256, _K)
     t = info[0, :_N].astype(np.float64)
     approx = t[:, None] * ints[:_N]
     assert np.abs(approx - w).max() <= t.max() / 2 * (1 + 1e-6)
@@ -142,9 +153,11 @@ def test_pack_greedy_head_bounds_its_own_error() -> None:
     np.testing.assert_array_equal(info[3, :_N], ints[:_N].sum(axis=1))
     assert (ints[_N:] == 0).all() and (info[1, _N:] == 1e30).all()
     with pytest.raises(ValueError, match="multiple of 4"):
-        kvops.pack_greedy_head(np.ones((8, 6), np.float32))
+        kvops.pack_greedy_head(np.ones((8, 6), np.float32), layout)
     with pytest.raises(ValueError, match="non-finite"):
-        kvops.pack_greedy_head(np.full((8, 8), np.inf, np.float32))
+        kvops.pack_greedy_head(np.full((8, 8), np.inf, np.float32), layout)
+    with pytest.raises(ValueError, match="layout"):
+        kvops.pack_greedy_head(w, "avx9")  # type: ignore[arg-type]
 
 
 def test_greedy_head_refuses_mismatched_inputs() -> None:
@@ -157,7 +170,7 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
         with pytest.raises(ValueError, match="does not match"):
             kvops.greedy_head(x, w, q, info, 300)
         with pytest.raises(ValueError, match="does not match"):
-            kvops.greedy_head(x, w, Weight("q2", DType.uint8, (4, 1, _K, 64), device), info, _N)
+            kvops.greedy_head(x, w, Weight("q2", DType.uint8, (4, _K, 64), device), info, _N)
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.greedy_head(x, w, Weight("q3", DType.int8, q.shape, device), info, _N)
         with pytest.raises(ValueError, match="positive int"):

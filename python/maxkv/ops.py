@@ -24,7 +24,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
 
-from .arrays import aligned_zeros
+from .arrays import aligned, aligned_zeros
 from .graph import BATCH_DIM, KVCacheCollection, same_device
 from .params import KVCacheParams
 
@@ -627,37 +627,63 @@ def linear_packed(
     )[0].tensor
 
 
-def greedy_head_supported() -> bool:
-    """Whether this host's CPU runs :func:`greedy_head` (x86 with AVX-512 VNNI).
+#: Layouts of :func:`pack_greedy_head`'s int8 copy: read by AVX-512 VNNI's
+#: VPDPBUSD, or widened to int16 for AVX2's VPMADDWD.
+GreedyHeadLayout = Literal["vnni", "avx2"]
+GREEDY_HEAD_LAYOUTS: tuple[str, ...] = ("vnni", "avx2")
 
-    Read from ``/proc/cpuinfo`` (Linux); ``MAXKV_GREEDY_HEAD=0`` turns the
-    op off (models then compute every logit and take their argmax).
+
+def greedy_head_layout() -> GreedyHeadLayout | None:
+    """The layout :func:`greedy_head` reads on this host, or ``None`` where it cannot run.
+
+    ``"vnni"`` on x86 CPUs with AVX-512 VNNI, ``"avx2"`` on those with AVX2
+    and FMA (read from ``/proc/cpuinfo``, Linux); ``MAXKV_GREEDY_HEAD=0``
+    turns the op off (models then compute every logit and take their argmax).
     """
     if os.environ.get("MAXKV_GREEDY_HEAD", "1") == "0":
-        return False
-    return "avx512_vnni" in _cpu_flags()
+        return None
+    flags = _cpu_flags()
+    if "avx512_vnni" in flags:
+        return "vnni"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
 
 
-def pack_greedy_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def greedy_head_supported() -> bool:
+    """Whether this host's CPU runs :func:`greedy_head` (see :func:`greedy_head_layout`)."""
+    return greedy_head_layout() is not None
+
+
+def pack_greedy_head(
+    weight: np.ndarray, layout: GreedyHeadLayout | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The int8 copy and error bounds :func:`greedy_head` reads for an LM head.
 
     Each row of the float32 ``weight`` ``[N, K]`` becomes ``t q``, ``q`` int8
     in ``[-127, 127]``, ``t = max|row| / 127``: an approximation whose error
     the op bounds, not a replacement (the op's tokens come from the float32
-    weights).
+    weights).  ``layout`` defaults to :func:`greedy_head_layout` (``"vnni"``
+    where the op cannot run).
 
     Returns:
-        ``q`` uint8 ``[ceil(N / 64), K / 4, 256]`` (the int8 bytes; tile *t*,
-        group of four columns *g*, then 4 x 16 rows of 4 bytes, as VPDPBUSD
-        reads them) and ``info`` float32 ``[4, 64 ceil(N / 64)]``: per row
+        ``q``, the int8 bytes as uint8, tile *t* of 64 rows at a time:
+        ``"vnni"``: ``[ceil(N / 64), K / 4, 256]`` (group of four columns
+        *g*, then 4 x 16 rows of 4 bytes, as VPDPBUSD reads them);
+        ``"avx2"``: ``[ceil(N / 64), 2 K, 32]`` (4 blocks of 16 rows, each
+        ``[K / 2, 16, 2]``: two consecutive columns per row, as VPMADDWD
+        pairs them).  And ``info`` float32 ``[4, 64 ceil(N / 64)]``: per row
         ``t``, ``|w|``, ``|w - t q|`` (both from float64 and rounded up) and
         ``sum(q)``.  Padding rows past ``N`` get ``|w| = 1e30`` so that
         their bounds never decide anything.
 
     Raises:
         ValueError: If ``weight`` is not a finite ``[N, K]`` matrix with
-            ``K`` a multiple of 4.
+            ``K`` a multiple of 4, or on an unknown ``layout``.
     """
+    layout = layout or greedy_head_layout() or "vnni"
+    if layout not in GREEDY_HEAD_LAYOUTS:
+        raise ValueError(f"layout must be one of {GREEDY_HEAD_LAYOUTS}, got {layout!r}")
     w = np.asarray(weight, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % 4 or not w.size:
         raise ValueError(f"weight must be [N, K] with K a multiple of 4, got shape {w.shape}")
@@ -681,8 +707,20 @@ def pack_greedy_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         info[1, start:end] = np.linalg.norm(rows.astype(np.float64), axis=1).astype(np.float32) * up
         info[2, start:end] = np.linalg.norm(err, axis=1).astype(np.float32) * up
         info[3, start:end] = qr.sum(axis=1)
-    packed = q.reshape(tiles, 4, 16, k // 4, 4).transpose(0, 3, 1, 2, 4)
-    return np.ascontiguousarray(packed.reshape(tiles, k // 4, 4 * PACKED_TILE)).view(np.uint8), info
+    if layout == "vnni":
+        packed = q.reshape(tiles, 4, 16, k // 4, 4).transpose(0, 3, 1, 2, 4)
+    else:
+        packed = q.reshape(tiles, 4, 16, k // 2, 2).transpose(0, 1, 3, 2, 4)
+    shape = greedy_q_shape(n, k, layout)
+    return aligned(packed.reshape(shape)).view(np.uint8), info
+
+
+def greedy_q_shape(vocab: int, k: int, layout: GreedyHeadLayout) -> tuple[int, int, int]:
+    """Shape of :func:`pack_greedy_head`'s int8 copy of a ``[vocab, k]`` head."""
+    tiles = -(-vocab // PACKED_TILE)
+    if layout == "vnni":
+        return (tiles, k // 4, 4 * PACKED_TILE)
+    return (tiles, 2 * k, 32)
 
 
 def greedy_head(
@@ -695,16 +733,16 @@ def greedy_head(
     """``argmax(x @ w.T, axis=-1)``, exactly, without every float32 logit (CPU).
 
     The same token per row as :func:`linear_packed` then an argmax (first
-    index on ties), from int8 VNNI approximations with a rigorous error
-    bound and float32 logits only for the tiles that bound cannot rule out
-    (see ``mojo_ops/greedy_head.mojo``).  Needs
+    index on ties), from integer approximations (AVX-512 VNNI or AVX2) with
+    a rigorous error bound and float32 logits only for the tiles that bound
+    cannot rule out (see ``mojo_ops/greedy_head.mojo``).  Needs
     :func:`greedy_head_supported`.
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
-        w_packed: the head, float32 ``[ceil(vocab / 64), 1, K, 64]``
-            (:func:`pack_linear_weight` with ``block_cols=64``).
-        q, info: :func:`pack_greedy_head` of the same head.
+        w_packed: the head as :func:`pack_linear_weight` packs it.
+        q, info: :func:`pack_greedy_head` of the same head, in this host's
+            :func:`greedy_head_layout`.
         vocab: ``N``, the head's rows.
 
     Returns:
@@ -721,12 +759,14 @@ def greedy_head(
         raise ValueError(f"vocab must be a positive int, got {vocab!r}")
     k = _static_dim("x", x, 1)
     tiles = -(-vocab // PACKED_TILE)
+    bc = _static_dim("w_packed", w_packed, 3)
+    layout = greedy_head_layout() or "vnni"
     shapes = {
         "w_packed": (
             [_static_dim("w_packed", w_packed, i) for i in range(4)],
-            [tiles, 1, k, PACKED_TILE],
+            [tiles, PACKED_TILE // bc, k, bc] if bc in BLOCK_COLS else "a packed head",
         ),
-        "q": ([_static_dim("q", q, i) for i in range(3)], [tiles, k // 4, 4 * PACKED_TILE]),
+        "q": ([_static_dim("q", q, i) for i in range(3)], list(greedy_q_shape(vocab, k, layout))),
         "info": ([_static_dim("info", info, i) for i in range(2)], [4, tiles * PACKED_TILE]),
     }
     if k % 4:
@@ -739,7 +779,7 @@ def greedy_head(
         device=x.device,
         values=[x, w_packed, q, info],
         out_types=[TensorType(DType.int64, [x.shape[0]], x.device)],
-        parameters={"vocab": vocab},
+        parameters={"vocab": vocab, "block_cols": bc},
     )[0].tensor
 
 

@@ -190,7 +190,8 @@ def graph_weight_shapes(
         shapes[f"{name}.sm"] = (tiles, k // 32, 2, kvops.PACKED_TILE)
     if greedy_head:
         tiles = -(-c.vocab_size // kvops.PACKED_TILE)
-        shapes["lm_head.greedy_q"] = (tiles, c.hidden_size // 4, 4 * kvops.PACKED_TILE)
+        layout = kvops.greedy_head_layout() or "vnni"
+        shapes["lm_head.greedy_q"] = kvops.greedy_q_shape(c.vocab_size, c.hidden_size, layout)
         shapes["lm_head.greedy_info"] = (4, tiles * kvops.PACKED_TILE)
     return shapes
 
@@ -315,9 +316,10 @@ class LlamaModel:
     copies of the weights, as :meth:`maxkv.models.LoadedModel.quantized`
     holds for GGUF files; those exactly equal to the float32 weights are read
     by steps of at most 8 rows (see :func:`graph_weights`), with the same
-    results.  With ``output="tokens"`` on a CPU with AVX-512 VNNI the tokens
-    come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the same
-    tokens as the argmax of every logit at a fraction of the LM head's work.
+    results.  With ``output="tokens"`` on an x86 CPU with AVX-512 VNNI or
+    AVX2 the tokens come from :func:`maxkv.ops.greedy_head`
+    (:attr:`greedy_head`), the same tokens as the argmax of every logit at a
+    fraction of the LM head's work.
     """
 
     def __init__(
@@ -350,7 +352,6 @@ class LlamaModel:
             and output == "tokens"
             and config.hidden_size % 4 == 0
             and kvops.greedy_head_supported()
-            and kvops.packed_block_cols() == kvops.PACKED_TILE
         )
         registry = graph_weights(
             config,
