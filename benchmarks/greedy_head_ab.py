@@ -50,7 +50,7 @@ def main() -> None:
         )
     os.environ.pop("MAXKV_GREEDY_HEAD")
     if not models["greedy_head"].greedy_head:
-        raise SystemExit("this CPU has no AVX-512 VNNI: the greedy head is off")
+        raise SystemExit("this CPU has neither AVX-512 VNNI nor AVX2: the greedy head is off")
     rows = []
     for batch in batches:
         prompts = [model.tokenizer.encode_chat(q) for q in QUESTIONS[:batch]]

@@ -48,7 +48,7 @@ from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 from std.utils import StaticTuple
 
-from .linear import FLOAT32, TILE, Acc, Ptr, _block, _next_rows
+from .linear import FLOAT32, PREFETCH_SPAN, TILE, Acc, Ptr, _block, _next_rows
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime I32x16 = SIMD[DType.int32, 16]
@@ -340,7 +340,8 @@ struct GreedyHead:
                         comptime for b in range(TILE // block_cols):
                             var w = wp.unsafe_offset((t * TILE + b * block_cols) * K)
                             _block[1, FLOAT32, block_cols, b * block_cols](
-                                xp, w, wqp, ip, approx, m, K, NP, t * TILE
+                                xp, w, wqp, ip, approx, m, K, NP, t * TILE,
+                                w, PREFETCH_SPAN, 0,  # no prefetch
                             )
 
         sync_parallelize(recompute, workers)
