@@ -183,9 +183,9 @@ def main() -> int:
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     full = [first_logits(runner, p, runner.prefill.executor(1.0))[0] for p in prompts]
     full_tokens = [int(np.argmax(logits)) for logits in full]
-    margins = [float(np.diff(np.sort(logits)[-2:])[0]) for logits in full]
-    for i, (token, margin) in enumerate(zip(full_tokens, margins, strict=True)):
-        print(f"question {i}: full prefill's first token {token!r} by a margin of {margin:.3f}")
+    margins = [margin(logits, token) for logits, token in zip(full, full_tokens, strict=True)]
+    for i, (token, gap) in enumerate(zip(full_tokens, margins, strict=True)):
+        print(f"question {i}: full prefill's first token {token!r} by a margin of {gap:.3f}")
 
     def measure(make: Callable[[RagPrompt], CacheBlendExecutor]) -> dict[str, Any]:
         matches, seconds, margins_of_full = [], [], []
