@@ -228,9 +228,11 @@ def main() -> int:
         results["variants"][name] = row = measure(make)
         print(f"{name}: {row}", flush=True)
     for ratio in (0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 0.9):
-        results["ratio_sweep"][str(ratio)] = row = measure(
-            lambda _, r=ratio: runner.prefill.executor(r, (1,))
-        )
+
+        def at_ratio(_: RagPrompt, r: float = ratio) -> CacheBlendExecutor:
+            return runner.prefill.executor(r, (1,))
+
+        results["ratio_sweep"][str(ratio)] = row = measure(at_ratio)
         print(f"recompute_ratio {ratio}: {row}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -51,9 +51,12 @@ def main() -> None:
     os.environ.pop("MAXKV_GREEDY_HEAD")
     if not models["greedy_head"].greedy_head:
         raise SystemExit("this CPU has neither AVX-512 VNNI nor AVX2: the greedy head is off")
+    if model.tokenizer is None:
+        raise SystemExit("the model has no tokenizer to encode the questions with")
+    tokenizer = model.tokenizer
     rows = []
     for batch in batches:
-        prompts = [model.tokenizer.encode_chat(q) for q in QUESTIONS[:batch]]
+        prompts = [tokenizer.encode_chat(q) for q in QUESTIONS[:batch]]
         rates: dict[str, list[float]] = {name: [] for name in models}
         tokens: dict[str, list[list[int]]] = {}
         for repeat in range(args.repeats + 1):

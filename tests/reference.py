@@ -28,7 +28,8 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) 
     sin2 = np.concatenate([sin, sin], axis=-1)
     half = head_dim // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos2 + rotated * sin2
+    halves: np.ndarray = x * cos2 + rotated * sin2
+    return halves
 
 
 def attention(
