@@ -1,6 +1,8 @@
 """CacheBlend's first token vs full prefill's, across token-selection variants.
 
-    python benchmarks/cacheblend_selection.py --json benchmarks/results/cacheblend_selection.json
+    python benchmarks/cacheblend_selection.py --json F [--questions N]
+
+(``benchmarks/results/cacheblend_selection.json`` holds a run with ``--questions 12``.)
 
 On the questions of ``examples/cacheblend_rag.py`` (SmolLM2-135M-Instruct,
 chunks stored after the chat header), it prints full prefill's first-token
@@ -167,13 +169,16 @@ def first_logits(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--questions", type=int, help="only the first N questions of the corpus")
     args = parser.parse_args()
+    if args.questions is not None and args.questions < 1:
+        parser.error("--questions must be >= 1")
 
     corpus = json.loads(CORPUS.read_text())
     model = open_model("smollm2-135m")
     prompts = [
         build_rag_prompt(model, [corpus["chunks"][c] for c in q["chunks"]], q["question"])
-        for q in corpus["questions"]
+        for q in corpus["questions"][: args.questions]
     ]
     device = CPU()
     runner = RagRunner(model, InferenceSession(devices=[device]), device)

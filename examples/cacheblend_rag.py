@@ -1,6 +1,6 @@
-"""CacheBlend on SmolLM2-135M-Instruct: RAG prompts of 5 retrieved chunks (1,000+ tokens).
+"""CacheBlend on SmolLM2-135M-Instruct: RAG prompts of 5-6 retrieved chunks (1,000+ tokens).
 
-Each question's prompt concatenates the chat header, five text chunks from
+Each question's prompt concatenates the chat header, five or six text chunks from
 `examples/data/rag_corpus.json` and the question.  Every question is answered
 three ways on the same model and maxkv cache, and the time to first token
 (TTFT) of each is reported:
