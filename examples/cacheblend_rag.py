@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--recompute-ratio must be in [0, 1]")
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
+        if args.questions is not None and args.questions < 1:
+            raise ValueError("--questions must be >= 1")
         check_layers = tuple(int(x) for x in args.check_layers.split(","))
         corpus = json.loads(args.corpus.read_text())
         questions = corpus["questions"][: args.questions]

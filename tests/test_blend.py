@@ -146,15 +146,22 @@ def test_rerotate_numpy_composes_rotations() -> None:
     np.testing.assert_allclose(rotate(rotate(k, a, c), c, a), k, atol=1e-5)
 
 
-def test_example_refuses_bad_options() -> None:
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--recompute-ratio", "2", "--recompute-ratio must be in [0, 1]"),
+        ("--questions", "-1", "--questions must be >= 1"),
+    ],
+)
+def test_example_refuses_bad_options(option: str, value: str, message: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cacheblend_rag.py"), "--recompute-ratio", "2"],
+        [sys.executable, str(ROOT / "examples" / "cacheblend_rag.py"), option, value],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --recompute-ratio must be in [0, 1]"
+    assert result.stderr.strip() == f"error: {message}"
 
 
 # ------------------------------------------------------------ the real model
