@@ -11,6 +11,7 @@ from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
+from std.complex import ComplexSIMD
 
 from .checks import check_layer, check_rows
 from .collection import ContinuousBatchingKVCacheCollection
@@ -35,6 +36,130 @@ def _copy_row[
         i += 1
 
 
+comptime _TOKENS_PER_WORKER = 128
+"""Fewest tokens per worker thread of `store_kv`: a decode step's few tokens
+are stored faster by one thread than split (each token is ~1 KB of copies)."""
+
+
+@always_inline
+def _rotate_heads[
+    dtype: DType, head_dim: Int, interleaved: Bool
+](
+    dst: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    src: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    heads: Int,
+    freq: SIMD[DType.float32, head_dim],
+):
+    """`heads` heads of `head_dim` values, `src` to `dst`, rotated by `freq`
+    (one position's `cos, sin` pairs).
+
+    The arithmetic of MAX's `nn.fused_qk_rope.rope_value` (a `ComplexSIMD`
+    product in float32) on the pairs `(x[2i], x[2i + 1])` (`interleaved`) or
+    `(x[i], x[i + head_dim / 2])`, so the results are the same bits.
+    """
+    comptime half = head_dim // 2
+    comptime Half = SIMD[DType.float32, half]
+    var f = freq.deinterleave()
+    var f_re = rebind[Half](f[0])
+    var f_im = rebind[Half](f[1])
+    for h in range(heads):
+        var x = src.unsafe_load[width=head_dim](h * head_dim).cast[DType.float32]()
+        var re: Half
+        var im: Half
+        comptime if interleaved:
+            var pairs = x.deinterleave()
+            re = rebind[Half](pairs[0])
+            im = rebind[Half](pairs[1])
+        else:
+            re = x.slice[half, offset=0]()
+            im = x.slice[half, offset=half]()
+        var r = ComplexSIMD(re, im) * ComplexSIMD(f_re, f_im)
+        comptime if interleaved:
+            dst.unsafe_store(h * head_dim, rebind[SIMD[dtype, head_dim]](r.re.interleave(r.im).cast[dtype]()))
+        else:
+            dst.unsafe_store(h * head_dim, rebind[SIMD[dtype, head_dim]](r.re.join(r.im).cast[dtype]()))
+
+
+def _store_rows[
+    C: MaxkvKVCollection, dtype: DType, num_heads: Int, head_dim: Int, rope: Bool, interleaved: Bool
+](
+    q_out: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    src: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    offsets: UnsafePointer[UInt32, MutUntrackedOrigin],
+    kv: C,
+    layer: Int,
+    tokens: Int,
+    q_width: Int,
+    freqs: UnsafePointer[Float32, MutUntrackedOrigin],
+) raises:
+    """Q of every token to `q_out`, its K and V to the cache (rotated with `rope`).
+
+    Checks done by the caller.  Token `t` of batch entry `b` sits at position
+    `cache_length[b] + t`; with `rope`, `freqs` row `position` holds that
+    position's `cos, sin` pairs.  Split over worker threads by tokens.
+    """
+    comptime assert C.View.dtype == dtype, "qkv dtype differs from the cache's"
+    comptime kv_width = num_heads * head_dim
+    var width = q_width + 2 * kv_width
+    var q_heads = q_width // head_dim
+    var workers = max(1, min(parallelism_level(None), tokens // _TOKENS_PER_WORKER))
+
+    def work(worker: Int) {imm}:
+        var end = (worker + 1) * tokens // workers
+        var b = 0
+        for t in range(worker * tokens // workers, end):
+            while Int(offsets[unsafe_offset=b + 1]) <= t:
+                b += 1
+            var position = kv.cache_length(b) + t - Int(offsets[unsafe_offset=b])
+            var row = src.unsafe_offset(t * width)
+            var k_dst = kv.row_ptr(0, layer, b, position).unsafe_bitcast[Scalar[dtype]]()
+            comptime if rope:
+                var freq = freqs.unsafe_load[width=head_dim](position * head_dim)
+                _rotate_heads[dtype, head_dim, interleaved](
+                    q_out.unsafe_offset(t * q_width), row, q_heads, freq
+                )
+                _rotate_heads[dtype, head_dim, interleaved](
+                    k_dst, row.unsafe_offset(q_width), num_heads, freq
+                )
+            else:
+                _copy_row(q_out.unsafe_offset(t * q_width), row, q_width)
+                _copy_row(k_dst, row.unsafe_offset(q_width), kv_width)
+            _copy_row(
+                kv.row_ptr(1, layer, b, position).unsafe_bitcast[Scalar[dtype]](),
+                row.unsafe_offset(q_width + kv_width),
+                kv_width,
+            )
+
+    sync_parallelize(work, workers)
+
+
+def _check_qkv[
+    C: MaxkvKVCollection, //, num_heads: Int, head_dim: Int, target: StaticString
+](
+    name: StaticString,
+    kv: C,
+    output: OutputTensor[rank=2, ...],
+    qkv: InputTensor[rank=2, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises -> Int:
+    """Checks `store_kv`'s inputs against the cache; returns the layer."""
+    var layer = Int(check_layer(kv, layer_idx))
+    var tokens = qkv.dim_size(0)
+    check_rows[target](kv, input_row_offsets, tokens)
+    var q_width = output.dim_size(1)
+    if (
+        output.dim_size(0) != tokens
+        or qkv.dim_size(1) != q_width + 2 * num_heads * head_dim
+        or q_width % head_dim != 0
+    ):
+        raise Error(
+            name, ": qkv has ", qkv.dim_size(1), " columns; expected Q (", q_width,
+            ") + 2 x ", num_heads * head_dim,
+        )
+    return layer
+
+
 def store_kv[
     C: MaxkvKVCollection, dtype: DType, num_heads: Int, head_dim: Int, target: StaticString
 ](
@@ -51,36 +176,71 @@ def store_kv[
     `cache_length[b] + t` of `layer_idx`; `output` is the Q columns.
     """
     comptime assert is_cpu[target](), "maxkv.store_kv_ragged runs on CPU"
-    comptime assert C.View.dtype == dtype, "qkv dtype differs from the cache's"
-    comptime kv_width = num_heads * head_dim
-    var layer = Int(check_layer(kv, layer_idx))
-    var tokens = qkv.dim_size(0)
-    check_rows[target](kv, input_row_offsets, tokens)
-    var width = qkv.dim_size(1)
-    var q_width = output.dim_size(1)
-    if output.dim_size(0) != tokens or width != q_width + 2 * kv_width:
+    var layer = _check_qkv[num_heads, head_dim, target](
+        "maxkv.store_kv_ragged", kv, output, qkv, input_row_offsets, layer_idx
+    )
+    _store_rows[num_heads=num_heads, head_dim=head_dim, rope=False, interleaved=False](
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        kv,
+        layer,
+        qkv.dim_size(0),
+        output.dim_size(1),
+        # No rotation: never read.
+        qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
+    )
+
+
+def store_kv_rope[
+    C: MaxkvKVCollection,
+    dtype: DType,
+    num_heads: Int,
+    head_dim: Int,
+    interleaved: Bool,
+    target: StaticString,
+](
+    output: OutputTensor[dtype=dtype, rank=2, ...],
+    qkv: InputTensor[dtype=dtype, rank=2, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`store_kv` with rotary embedding: Q and K are rotated as they are stored.
+
+    The same values as `store_kv` followed by `fused_qk_rope` (MAX's kernel)
+    in one pass over `qkv`: `freqs_cis` is `[max_positions, head_dim]` float32,
+    row `p` holding `cos(p θ_0), sin(p θ_0), ...`; every new token's position
+    must be below `max_positions`.
+    """
+    comptime assert is_cpu[target](), "maxkv.store_kv_rope_ragged runs on CPU"
+    comptime assert head_dim % 2 == 0, "head_dim must be even"
+    var layer = _check_qkv[num_heads, head_dim, target](
+        "maxkv.store_kv_rope_ragged", kv, output, qkv, input_row_offsets, layer_idx
+    )
+    if freqs_cis.dim_size(1) != head_dim:
         raise Error(
-            "maxkv.store_kv_ragged: qkv has ", width, " columns; expected Q (",
-            q_width, ") + 2 x ", kv_width,
+            "maxkv.store_kv_rope_ragged: freqs_cis has ", freqs_cis.dim_size(1),
+            " columns, not head_dim = ", head_dim,
         )
-    var src = qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
-        Scalar[C.View.dtype]
-    ]()
-    var q_out = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
-        Scalar[C.View.dtype]
-    ]()
     for b in range(kv.batch()):
-        var start = Int(input_row_offsets[b])
-        var cached = kv.cache_length(b)
-        for t in range(Int(input_row_offsets[b + 1]) - start):
-            var row = src.unsafe_offset((start + t) * width)
-            _copy_row(q_out.unsafe_offset((start + t) * q_width), row, q_width)
-            _copy_row(kv.row_ptr(0, layer, b, cached + t), row.unsafe_offset(q_width), kv_width)
-            _copy_row(
-                kv.row_ptr(1, layer, b, cached + t),
-                row.unsafe_offset(q_width + kv_width),
-                kv_width,
+        var end = kv.cache_length(b) + Int(input_row_offsets[b + 1] - input_row_offsets[b])
+        if end > freqs_cis.dim_size(0):
+            raise Error(
+                "maxkv.store_kv_rope_ragged: sequence ", b, " reaches position ", end - 1,
+                "; freqs_cis has ", freqs_cis.dim_size(0), " positions",
             )
+    _store_rows[num_heads=num_heads, head_dim=head_dim, rope=True, interleaved=interleaved](
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        kv,
+        layer,
+        qkv.dim_size(0),
+        output.dim_size(1),
+        freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+    )
 
 
 def write_kv[
@@ -200,6 +360,31 @@ struct StoreKVRagged:
             output, qkv, input_row_offsets, kv, layer_idx
         )
 
+@extensibility.register("maxkv.store_kv_rope_ragged")
+struct StoreKVRopeRagged:
+    """See `store_kv_rope`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        interleaved: Bool,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=2, ...],
+        qkv: InputTensor[dtype=dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        store_kv_rope[num_heads=num_heads, head_dim=head_dim, interleaved=interleaved, target=target](
+            output, qkv, input_row_offsets, kv, freqs_cis, layer_idx
+        )
+
 
 @extensibility.register("maxkv.copy_tokens")
 struct CopyTokens:
@@ -247,6 +432,32 @@ struct PagedStoreKVRagged:
     ) raises:
         store_kv[num_heads=num_heads, head_dim=head_dim, target=target](
             output, qkv, input_row_offsets, kv, layer_idx
+        )
+
+@extensibility.register("maxkv.paged.store_kv_rope_ragged")
+struct PagedStoreKVRopeRagged:
+    """See `store_kv_rope`."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        dtype_name: StaticString,
+        num_heads: Int,
+        head_dim: Int,
+        page_size: Int,
+        interleaved: Bool,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=2, ...],
+        qkv: InputTensor[dtype=dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        kv: PagedKVCacheCollection[dtype_name, num_heads, head_dim, page_size],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        store_kv_rope[num_heads=num_heads, head_dim=head_dim, interleaved=interleaved, target=target](
+            output, qkv, input_row_offsets, kv, freqs_cis, layer_idx
         )
 
 

@@ -342,6 +342,7 @@ struct GreedyHead:
                             _block[1, FLOAT32, block_cols, b * block_cols](
                                 xp, w, wqp, ip, approx, m, K, NP, t * TILE,
                                 w, PREFETCH_SPAN, 0,  # no prefetch
+                                approx,  # no residual: never read
                             )
 
         sync_parallelize(recompute, workers)

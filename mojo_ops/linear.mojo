@@ -99,7 +99,7 @@ def _fma_k[R: Int, C: Int](
 
 
 @always_inline
-def _block[R: Int, BITS: Int, C: Int, C0: Int](
+def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False](
     x: Ptr,
     w: Ptr,
     q: U8Ptr,
@@ -112,8 +112,13 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int](
     pf: Ptr,
     pf_first: Int,
     pf_step: Int,
+    residual: Ptr,
 ):
     """`out[m0 : m0 + R, n0 + C0 : n0 + C0 + C] = x[m0 : m0 + R] @ w`: one register block.
+
+    With `ADD`, `residual[m, n] + (x @ w)[m, n]` instead (`residual` `[M, N]`
+    like `dst`): the residual add of a transformer layer, one float32 add
+    per output, the bits of adding the two afterwards.
 
     `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4 or
     8 read the quantized tile `q` with its per-block scales and offsets `sm`,
@@ -160,12 +165,19 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int](
                 var k = kb * QBLOCK + kk
                 _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, scale, offset), acc)
     comptime for r in range(R):
-        var row = dst.unsafe_offset((m0 + r) * N + n0 + C0)
+        var at = (m0 + r) * N + n0 + C0
+        var row = dst.unsafe_offset(at)
         if n0 + C0 + C <= N:
-            row.unsafe_store(0, acc[r])
+            comptime if ADD:
+                row.unsafe_store(0, residual.unsafe_load[width=C](at) + acc[r])
+            else:
+                row.unsafe_store(0, acc[r])
         else:
             for j in range(N - n0 - C0):
-                row[unsafe_offset=j] = acc[r][j]
+                comptime if ADD:
+                    row[unsafe_offset=j] = residual[unsafe_offset=at + j] + acc[r][j]
+                else:
+                    row[unsafe_offset=j] = acc[r][j]
 
 
 @always_inline
@@ -183,8 +195,8 @@ def _next_rows[R: Int](rest: Int) -> Int:
 
 
 @always_inline
-def _column_block[BITS: Int, C: Int, C0: Int](
-    x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, pf: Ptr
+def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool](
+    x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, pf: Ptr, residual: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows, a register block at a time.
 
@@ -215,15 +227,15 @@ def _column_block[BITS: Int, C: Int, C0: Int](
         var first = index if step > 0 and index < step else PREFETCH_SPAN
         comptime for r in range(1, R + 1):
             if rows == r:
-                _block[r, BITS, C, C0](x, w, q, sm, dst, m, K, N, n0, pf, first, step)
+                _block[r, BITS, C, C0, ADD](x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual)
         m += rows
         index += 1
 
 
-def _linear[BITS: Int, C: Int](
-    xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int
+def _linear[BITS: Int, C: Int, ADD: Bool](
+    xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int, residual: Ptr
 ) raises:
-    """`op[M, N] = xp[M, K] @ w.T` over the float32 tiles `wp` (`BITS == FLOAT32`,
+    """`op[M, N] = xp[M, K] @ w.T` (plus `residual[M, N]` with `ADD`) over the float32 tiles `wp` (`BITS == FLOAT32`,
     column blocks of `C`) or the quantized tiles `qp` / `smp`, read in column
     blocks of `C`.  Each worker takes one contiguous range of column blocks
     (of tiles where `C` is the whole tile): SmolLM2's 576-column matrices have
@@ -246,7 +258,7 @@ def _linear[BITS: Int, C: Int](
             var pf = wp.unsafe_offset(min(i + PREFETCH_AHEAD, end - 1) * C * K)
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
-                    _column_block[BITS, C, b * C](xp, w, q, sm, op, M, K, N, t * TILE, pf)
+                    _column_block[BITS, C, b * C, ADD](xp, w, q, sm, op, M, K, N, t * TILE, pf, residual)
 
     sync_parallelize(work, workers)
 
@@ -271,6 +283,84 @@ def _check_packed[block_cols: Int](
     return tiles
 
 
+def _ptr[dtype: DType](t: InputTensor[dtype=dtype, ...]) -> UnsafePointer[Scalar[dtype], MutUntrackedOrigin]:
+    return t.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+def _run[
+    block_cols: Int, ADD: Bool
+](
+    name: StaticString,
+    output: OutputTensor[dtype=DType.float32, rank=2, ...],
+    x: InputTensor[dtype=DType.float32, rank=2, ...],
+    w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
+    qp: U8Ptr,
+    q_width: Int,
+    smp: Ptr,
+    residual: Ptr,
+    residual_rows: Int,
+    residual_cols: Int,
+) raises:
+    """The body of every `maxkv.linear_packed*` op, after its own checks.
+
+    `q_width` 0: no quantized copy (`qp` and `smp` are never read); else the
+    bytes per row of a quantized tile (64 for 8 bits, 32 for 4).  With
+    `ADD`, `residual` is `[residual_rows, residual_cols]`, checked here
+    against the output.
+    """
+    var M = x.dim_size(0)
+    var K = x.dim_size(1)
+    var N = output.dim_size(1)
+    if output.dim_size(0) != M:
+        raise Error(name, ": output rows ", output.dim_size(0), " != x rows ", M)
+    comptime if ADD:
+        if residual_rows != M or residual_cols != N:
+            raise Error(
+                name, ": residual [", residual_rows, ", ", residual_cols, "] is not the output's [",
+                M, ", ", N, "]",
+            )
+    var tiles = _check_packed[block_cols](name, M, K, N, w_packed)
+    if M == 0:
+        return
+    var xp = _ptr(x)
+    var wp = _ptr(w_packed)
+    var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    if q_width == 0 or M > QUANT_MAX_ROWS:
+        _linear[FLOAT32, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_width == TILE:
+        _linear[8, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    else:
+        _linear[4, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+
+
+def _check_quantized(
+    name: StaticString,
+    K: Int,
+    N: Int,
+    tiles: Int,
+    q: InputTensor[dtype=DType.uint8, rank=3, ...],
+    sm: InputTensor[dtype=DType.float32, rank=4, ...],
+) raises -> Int:
+    """Checks a quantized copy of a packed `[N, K]` weight of `tiles` tiles; returns its row width."""
+    var q_width = q.dim_size(2)
+    if (
+        K % QBLOCK != 0
+        or q.dim_size(0) != tiles
+        or q.dim_size(1) != K
+        or (q_width != TILE and q_width != TILE // 2)
+        or sm.dim_size(0) != tiles
+        or sm.dim_size(1) != K // QBLOCK
+        or sm.dim_size(2) != 2
+        or sm.dim_size(3) != TILE
+    ):
+        raise Error(
+            name, ": q [", q.dim_size(0), ", ", q.dim_size(1), ", ", q_width,
+            "], sm [", sm.dim_size(0), ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ",
+            sm.dim_size(3), "] are not a quantized [", N, ", ", K, "] weight",
+        )
+    return q_width
+
+
 @extensibility.register("maxkv.linear_packed")
 struct LinearPacked:
     """`output[M, N] = x[M, K] @ w.T`, `w` packed as `[ceil(N / 64), 64 / block_cols, K, block_cols]`."""
@@ -285,19 +375,32 @@ struct LinearPacked:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "maxkv.linear_packed runs on CPU"
-        var M = x.dim_size(0)
-        var K = x.dim_size(1)
-        var N = output.dim_size(1)
-        if output.dim_size(0) != M:
-            raise Error("maxkv.linear_packed: output rows ", output.dim_size(0), " != x rows ", M)
-        var tiles = _check_packed[block_cols]("maxkv.linear_packed", M, K, N, w_packed)
-        if M == 0:
-            return
-        var xp = x.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var wp = w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        # No quantized copy: its pointers are never read.
-        _linear[FLOAT32, block_cols](xp, wp, wp.unsafe_bitcast[UInt8](), wp, op, M, K, N, tiles)
+        var wp = _ptr(w_packed)  # no quantized copy or residual: never read
+        _run[block_cols, False](
+            "maxkv.linear_packed", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, wp, wp, 0, 0
+        )
+
+
+@extensibility.register("maxkv.linear_packed_add")
+struct LinearPackedAdd:
+    """`output = residual + x @ w.T`: `maxkv.linear_packed` with the residual add in its epilogue."""
+
+    @staticmethod
+    def execute[
+        block_cols: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
+        residual: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.linear_packed_add runs on CPU"
+        var wp = _ptr(w_packed)  # no quantized copy: never read
+        _run[block_cols, True](
+            "maxkv.linear_packed_add", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, wp,
+            _ptr(residual), residual.dim_size(0), residual.dim_size(1),
+        )
 
 
 @extensibility.register("maxkv.linear_packed_q")
@@ -325,41 +428,37 @@ struct LinearPackedQ:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "maxkv.linear_packed_q runs on CPU"
-        var M = x.dim_size(0)
-        var K = x.dim_size(1)
-        var N = output.dim_size(1)
-        if output.dim_size(0) != M:
-            raise Error("maxkv.linear_packed_q: output rows ", output.dim_size(0), " != x rows ", M)
-        var tiles = _check_packed[block_cols]("maxkv.linear_packed_q", M, K, N, w_packed)
-        var q_width = q.dim_size(2)
-        if (
-            K % QBLOCK != 0
-            or q.dim_size(0) != tiles
-            or q.dim_size(1) != K
-            or (q_width != TILE and q_width != TILE // 2)
-            or sm.dim_size(0) != tiles
-            or sm.dim_size(1) != K // QBLOCK
-            or sm.dim_size(2) != 2
-            or sm.dim_size(3) != TILE
-        ):
-            raise Error(
-                "maxkv.linear_packed_q: q [", q.dim_size(0), ", ", q.dim_size(1), ", ", q_width,
-                "], sm [", sm.dim_size(0), ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ",
-                sm.dim_size(3), "] are not a quantized [", N, ", ", K, "] weight",
-            )
-        if M == 0:
-            return
-        var xp = x.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var wp = w_packed.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var qp = q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var smp = sm.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        if M > QUANT_MAX_ROWS:
-            _linear[FLOAT32, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
-        elif q_width == TILE:
-            _linear[8, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
-        else:
-            _linear[4, block_cols](xp, wp, qp, smp, op, M, K, N, tiles)
+        comptime name = "maxkv.linear_packed_q"
+        var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
+        var q_width = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        var smp = _ptr(sm)  # no residual: never read
+        _run[block_cols, False](name, output, x, w_packed, _ptr(q), q_width, smp, smp, 0, 0)
+
+
+@extensibility.register("maxkv.linear_packed_q_add")
+struct LinearPackedQAdd:
+    """`output = residual + x @ w.T`: `maxkv.linear_packed_q` with the residual add in its epilogue."""
+
+    @staticmethod
+    def execute[
+        block_cols: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
+        q: InputTensor[dtype=DType.uint8, rank=3, ...],
+        sm: InputTensor[dtype=DType.float32, rank=4, ...],
+        residual: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.linear_packed_q_add runs on CPU"
+        comptime name = "maxkv.linear_packed_q_add"
+        var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
+        var q_width = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        _run[block_cols, True](
+            name, output, x, w_packed, _ptr(q), q_width, _ptr(sm),
+            _ptr(residual), residual.dim_size(0), residual.dim_size(1),
+        )
 
 
 @extensibility.register("maxkv.swiglu")

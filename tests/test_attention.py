@@ -44,6 +44,10 @@ class AttentionConfig:
     head_dim: int
     interleaved: bool
     with_null_mask: bool = False
+    #: The CPU model's path: a plain matmul, then ``store_kv_ragged`` with
+    #: ``freqs_cis`` (store and rotate in one op); outputs Q only, and the
+    #: RoPE table's rows are a dimension of the graph.
+    store_rope: bool = False
     hidden: int = 32
     num_layers: int = 2
     slots: int = 6
@@ -62,6 +66,8 @@ class AttentionConfig:
 GQA_F32 = AttentionConfig(DType.float32, 4, 2, 16, interleaved=False, with_null_mask=True)
 MHA_F32 = AttentionConfig(DType.float32, 2, 2, 32, interleaved=True)
 GQA_BF16 = AttentionConfig(DType.bfloat16, 4, 2, 16, interleaved=False)
+GQA_F32_STORE_ROPE = AttentionConfig(DType.float32, 4, 2, 16, interleaved=False, store_rope=True)
+MHA_F32_STORE_ROPE = AttentionConfig(DType.float32, 2, 2, 32, interleaved=True, store_rope=True)
 
 
 def layer_input_types(config: AttentionConfig) -> list[TensorType]:
@@ -70,7 +76,11 @@ def layer_input_types(config: AttentionConfig) -> list[TensorType]:
         TensorType(config.dtype, ["total_tokens", config.hidden], CPU_REF),
         TensorType(DType.uint32, ["row_offsets_len"], CPU_REF),
         TensorType(config.dtype, [qkv_rows, config.hidden], CPU_REF),
-        TensorType(DType.float32, [MAX_POSITIONS, config.head_dim], CPU_REF),
+        TensorType(
+            DType.float32,
+            ["positions" if config.store_rope else MAX_POSITIONS, config.head_dim],
+            CPU_REF,
+        ),
         TensorType(DType.uint32, [], CPU_REF),
     ]
 
@@ -93,6 +103,18 @@ def build_layer_graph(
             value.tensor for value in graph.inputs
         )
         kv = manager.collection_fetcher()(blocks, lengths, lookup, max_lengths)
+        if config.store_rope:
+            q = kvops.store_kv_ragged(
+                params,
+                x @ wqkv.T,
+                offsets,
+                kv,
+                layer,
+                freqs_cis=freqs,
+                interleaved=config.interleaved,
+            )
+            graph.output(q.reshape(["total_tokens", config.n_heads, config.head_dim]))
+            return session.load(graph)
         q = kvops.fused_qkv_ragged_matmul(params, x, offsets, wqkv, kv, layer)
         q = q.reshape(["total_tokens", config.n_heads, config.head_dim])
         q = kvops.fused_qk_ragged_rope(
@@ -267,6 +289,51 @@ def test_mha_interleaved_rope_at_nonzero_positions(
     harness.check_cache(F32_ATOL)
 
 
+@pytest.mark.parametrize("config", [GQA_F32_STORE_ROPE, MHA_F32_STORE_ROPE], ids=["half", "pairs"])
+def test_store_kv_with_rope_matches_reference(
+    layer_model: Callable[[AttentionConfig], Model],
+    session: InferenceSession,
+    config: AttentionConfig,
+) -> None:
+    """``store_kv_ragged(freqs_cis=...)``: Q and the cached K rotated at their positions,
+    V stored as is, nothing else touched; ragged prefill, decode and a mixed step."""
+    harness = LayerHarness(config, layer_model(config), session, seed=4)
+    harness.manager.claim(6)
+    seqs = [4, 1, 3]
+    for layer in (1, 0):
+        actual, expected = harness.run(layer, seqs, [6, 1, 11])
+        assert len(actual) == 1
+        check(actual, expected, F32_ATOL)
+    harness.manager.step({4: 6, 1: 1, 3: 11})
+    for new_tokens in ([1, 1, 1], [2, 7, 1]):
+        actual, expected = harness.run(0, seqs, new_tokens)
+        check(actual, expected, F32_ATOL)
+        harness.manager.step(dict(zip(seqs, new_tokens, strict=True)))
+    harness.check_cache(F32_ATOL)
+
+
+def test_store_kv_with_rope_refuses_positions_past_the_table(
+    layer_model: Callable[[AttentionConfig], Model], session: InferenceSession
+) -> None:
+    config = GQA_F32_STORE_ROPE
+    harness = LayerHarness(config, layer_model(config), session, seed=5)
+    harness.manager.claim(2)
+    harness.run(0, [0, 1], [2, 3])
+    harness.manager.step({0: 2, 1: 3})
+    before = harness.blocks()
+    (inputs,) = harness.manager.fetch([0, 1], active_lengths=[1, 2])
+    with pytest.raises(Exception, match="sequence 1 reaches position 4; freqs_cis has 4 positions"):
+        harness.model.execute(
+            *inputs,
+            Buffer.from_numpy(np.ones((3, config.hidden), dtype=np.float32)),
+            Buffer.from_numpy(np.array([0, 1, 3], dtype=np.uint32)),
+            Buffer.from_numpy(harness.wqkv[0].astype(np.float32)),
+            Buffer.from_numpy(np.ascontiguousarray(harness.freqs[:4])),
+            Buffer.from_numpy(np.array(0, dtype=np.uint32)),
+        )
+    np.testing.assert_array_equal(harness.blocks(), before)
+
+
 # bf16 keeps 8 significant bits: every rounding is within 2**-9 relative.  Q, K
 # and V are rounded once to bf16 (the cache dtype) after the projection, the
 # rotation and the output once more, and MAX's CPU kernels accumulate in
@@ -419,6 +486,27 @@ def graph_values(kernels: Path) -> Callable[..., object]:
             ),
             ValueError,
             "input dim 2 must be head_dim",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.store_kv_ragged(
+                p, x @ w.T, o, kv, layer, freqs_cis=f[:, :8]
+            ),
+            ValueError,
+            "freqs_cis dim 1 must be head_dim",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.store_kv_ragged(
+                p, x @ w.T, o, kv, layer, freqs_cis=f.cast(DType.bfloat16)
+            ),
+            ValueError,
+            "freqs_cis must have dtype float32",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.store_kv_ragged(
+                p, x @ w.T, o, kv, layer, freqs_cis=f, interleaved=1
+            ),
+            TypeError,
+            "interleaved must be a bool",
         ),
         (
             lambda p, kv, x, o, w, f, layer: kvops.flash_attention_ragged(

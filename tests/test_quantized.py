@@ -188,6 +188,86 @@ def test_the_matmul_layouts_agree_bit_for_bit(
     )
 
 
+@pytest.fixture(scope="module")
+def residual_models(
+    session: InferenceSession, kernels: Path
+) -> Callable[[int], tuple[Model, Model, Model, np.ndarray]]:
+    """Per block_cols, over one weight with a 4-bit copy: (``x @ w.T``, ``residual + x @ w.T``,
+    the same over the quantized copy, the weight)."""
+    built: dict[int, tuple[Model, Model, Model, np.ndarray]] = {}
+    device = DeviceRef.CPU()
+
+    def build(block_cols: int) -> tuple[Model, Model, Model, np.ndarray]:
+        if block_cols not in built:
+            copy = _random_copy(np.random.default_rng(20 + block_cols), _N, _K, 4)
+            weight = copy.dequantize()
+            q, sm = copy.pack()
+            registry = {"w": kvops.pack_linear_weight(weight, block_cols), "q": q, "sm": sm}
+            models = []
+            for add, quant in ((False, False), (True, False), (True, True)):
+                types = [
+                    TensorType(DType.float32, ["m", _K], device),
+                    TensorType(DType.float32, ["m", _N], device),
+                ]
+                name = f"lin_add_{block_cols}_{add}_{quant}"
+                with Graph(name, input_types=types, custom_extensions=[kernels]) as g:
+                    x, residual = (v.tensor for v in g.inputs)
+                    w = Weight("w", DType.float32, registry["w"].shape, device)
+                    quantized = None
+                    if quant:
+                        quantized = (
+                            Weight("q", DType.uint8, q.shape, device),
+                            Weight("sm", DType.float32, sm.shape, device),
+                        )
+                    out = kvops.linear_packed(
+                        x, w, _N, quantized, residual=residual if add else None
+                    )
+                    g.output(out)
+                used = registry if quant else {"w": registry["w"]}
+                models.append(session.load(g, weights_registry=used))
+            built[block_cols] = (models[0], models[1], models[2], weight)
+        return built[block_cols]
+
+    return build
+
+
+@pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
+def test_residual_is_added_in_the_epilogue(
+    residual_models: Callable[[int], tuple[Model, Model, Model, np.ndarray]], block_cols: int
+) -> None:
+    """``residual + x @ w.T`` equals the matmul's result plus the residual added by NumPy
+    in float32, bit for bit, over the float32 and the quantized weights, for every
+    register-block split and the partial last tile."""
+    plain, fused, fused_q, weight = residual_models(block_cols)
+    rng = np.random.default_rng(30 + block_cols)
+    for m in (1, 3, 5, 8, 9, 13, 33):
+        x = rng.standard_normal((m, _K)).astype(np.float32)
+        residual = rng.standard_normal((m, _N)).astype(np.float32)
+        product = plain.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))[0].to_numpy()
+        reference = x.astype(np.float64) @ weight.T.astype(np.float64)
+        assert np.all(np.abs(product - reference) <= 1e-5 * (np.abs(x) @ np.abs(weight).T))
+        for model in (fused, fused_q):
+            got = model.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))[0].to_numpy()
+            np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}")
+
+
+def test_residual_must_match_the_output() -> None:
+    device = DeviceRef.CPU()
+    types = [
+        TensorType(DType.float32, ["m", _K], device),
+        TensorType(DType.float32, ["m", 8], device),
+    ]
+    with Graph("bad_residual", input_types=types) as g:
+        x, narrow = (v.tensor for v in g.inputs)
+        w = Weight("w", DType.float32, (4, 1, _K, 64), device)
+        with pytest.raises(ValueError, match="residual"):
+            kvops.linear_packed(x, w, _N, residual=narrow)
+        with pytest.raises(ValueError, match="residual"):
+            kvops.linear_packed(x, w, _N, residual=x[:2, :8].cast(DType.float32))
+        with pytest.raises(ValueError, match="residual must have dtype float32"):
+            kvops.linear_packed(x, w, _N, residual=narrow.cast(DType.bfloat16))
+
+
 def test_pack_linear_weight_layout() -> None:
     """Tile t, block b, row k holds w[64 t + bc b : ..., k]; padding is zero; cache-line aligned."""
     w = np.random.default_rng(4).standard_normal((_N, _K)).astype(np.float32)

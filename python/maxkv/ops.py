@@ -361,6 +361,9 @@ def store_kv_ragged(
     input_row_offsets: TensorValue,
     kv_collection: KVCacheCollection,
     layer_idx: int | TensorValue,
+    *,
+    freqs_cis: TensorValue | None = None,
+    interleaved: bool = False,
 ) -> TensorValue:
     """Writes the K and V columns of a fused QKV projection into the cache; returns Q.
 
@@ -369,6 +372,12 @@ def store_kv_ragged(
     Token *t* of sequence *b* goes to position ``cache_length[b] + t`` of
     ``layer_idx``, after the same bounds checks as every op (CPU only).
 
+    With ``freqs_cis``, Q and K are also rotated on the way, in the same
+    pass: the same values as this op without it followed by
+    :func:`fused_qk_ragged_rope` (MAX's kernel, which on the CPU costs more
+    than the copy itself), and a position past ``freqs_cis``'s rows is an
+    error.
+
     Args:
         params: The cache parameters the collection was built with.
         qkv: ``[total_tokens, (n_heads + 2 * n_kv_heads) * head_dim]`` of
@@ -376,9 +385,12 @@ def store_kv_ragged(
         input_row_offsets: uint32 ``[batch + 1]``.
         kv_collection: The collection.
         layer_idx: The layer: a Python int or a uint32 scalar on the host.
+        freqs_cis: float32 ``[max_positions, head_dim]`` on the CPU, as
+            :func:`rope_freqs_cis` makes it; ``None`` stores without rotating.
+        interleaved: As in :func:`fused_qk_ragged_rope`.
 
     Returns:
-        Q, ``[total_tokens, n_heads * head_dim]``.
+        Q, ``[total_tokens, n_heads * head_dim]`` (rotated with ``freqs_cis``).
 
     Raises:
         ValueError: On a wrong dtype, rank, width, head count or device.
@@ -400,12 +412,31 @@ def store_kv_ragged(
     _query_heads(params, "qkv", q_width // params.head_dim)
     if not same_device(qkv.device, device):
         raise ValueError(f"qkv must be on {device}, got {qkv.device}")
+    out_types = [TensorType(params.dtype, [qkv.shape[0], q_width], device)]
+    layer = _layer_index(layer_idx)
+    if freqs_cis is None:
+        return ops.inplace_custom(
+            kv_collection.op_name("store_kv_ragged"),
+            device=device,
+            values=[qkv, offsets, kv_collection, layer],
+            out_types=out_types,
+            parameters=_kernel_parameters(params, kv_collection),
+        )[0].tensor
+    _check_tensor("freqs_cis", freqs_cis, DType.float32, 2)
+    if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
+        raise ValueError(
+            f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
+        )
+    if not same_device(freqs_cis.device, device):
+        raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
     return ops.inplace_custom(
-        kv_collection.op_name("store_kv_ragged"),
+        kv_collection.op_name("store_kv_rope_ragged"),
         device=device,
-        values=[qkv, offsets, kv_collection, _layer_index(layer_idx)],
-        out_types=[TensorType(params.dtype, [qkv.shape[0], q_width], device)],
-        parameters=_kernel_parameters(params, kv_collection),
+        values=[qkv, offsets, kv_collection, freqs_cis, layer],
+        out_types=out_types,
+        parameters={**_kernel_parameters(params, kv_collection), "interleaved": interleaved},
     )[0].tensor
 
 
@@ -557,6 +588,8 @@ def linear_packed(
     w_packed: TensorValue,
     out_features: int,
     quantized: tuple[TensorValue, TensorValue] | None = None,
+    *,
+    residual: TensorValue | None = None,
 ) -> TensorValue:
     """``x @ w.T`` with ``w`` packed by :func:`pack_linear_weight` (CPU, float32).
 
@@ -575,6 +608,10 @@ def linear_packed(
         out_features: ``N``, the rows of the unpacked weight.
         quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
             (bits 4 or 8) and float32 ``[ceil(N / 64), K / 32, 2, 64]``.
+        residual: float32 ``[M, out_features]`` on the CPU: returns
+            ``residual + x @ w.T``, added as each output tile is stored (a
+            layer's residual add without another pass; the same bits as
+            adding afterwards).
 
     Returns:
         float32 ``[M, out_features]``.
@@ -587,7 +624,11 @@ def linear_packed(
         _check_tensor("q", q, DType.uint8, 3)
         _check_tensor("sm", sm, DType.float32, 4)
         values += [q, sm]
-    for name, value in zip(("x", "w_packed", "q", "sm")[: len(values)], values, strict=True):
+    if residual is not None:
+        _check_tensor("residual", residual, DType.float32, 2)
+        values.append(residual)
+    names = ("x", "w_packed", *(("q", "sm") if quantized is not None else ()), "residual")
+    for name, value in zip(names[: len(values)], values, strict=True):
         if not value.device.is_cpu():
             raise ValueError(f"linear_packed runs on CPU; {name} is on {value.device}")
     if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
@@ -618,8 +659,15 @@ def linear_packed(
                 f"q {q_shape} / sm {sm_shape} are not a packed quantized [{out_features}, {k}] "
                 f"weight (expected [{tiles}, {k}, 64 or 32] / [{tiles}, {k // 32}, 2, 64])"
             )
+    if residual is not None and (
+        residual.shape[0] != x.shape[0] or _static_dim("residual", residual, 1) != out_features
+    ):
+        raise ValueError(
+            f"residual {list(residual.shape)} must be [{x.shape[0]}, {out_features}]: x @ w.T's"
+        )
+    op = "maxkv.linear_packed" + ("" if quantized is None else "_q")
     return ops.custom(
-        "maxkv.linear_packed" if quantized is None else "maxkv.linear_packed_q",
+        op + ("" if residual is None else "_add"),
         device=x.device,
         values=values,
         out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],

@@ -216,16 +216,13 @@ class _Profiler:
                 table = Weight("freqs", DType.float32, freqs.shape, self.ref)
                 outs = []
                 for _ in range(count):
-                    if op == "store":
-                        outs.append(kvops.store_kv_ragged(params, qkv, row_offsets, kv, 0))
+                    if op == "store_rope":  # as the model stores and rotates
+                        outs.append(
+                            kvops.store_kv_ragged(params, qkv, row_offsets, kv, 0, freqs_cis=table)
+                        )
                         continue
                     q = qkv[:, :q_width].reshape(["tokens", c.num_attention_heads, c.head_dim])
-                    if op == "rope":
-                        outs.append(
-                            kvops.fused_qk_ragged_rope(params, q, row_offsets, kv, table, 0)
-                        )
-                    else:
-                        outs.append(kvops.flash_attention_ragged(params, q, row_offsets, kv, 0))
+                    outs.append(kvops.flash_attention_ragged(params, q, row_offsets, kv, 0))
                 g.output(*outs)
             return g, {"freqs": freqs}, [*inputs, self.buffer(self.batch, qkv_width), offsets]
 
@@ -260,7 +257,10 @@ def profile_decode_step(
     decoding); the op families at the cache length reached halfway, the
     matmuls on the model's own matrices as the model holds them (with the
     quantized copies of ``quantized``, which steps of up to 8 rows read, and
-    the greedy head where the model uses it).
+    the greedy head where the model uses it).  The model's residual adds
+    happen in the epilogues of the attention-output and down matmuls
+    (``linear_packed(residual=)``), one load and add per output, which the
+    matmul rows here leave out.
 
     Returns:
         ``{"batch", "context", "step_ms", "greedy_head", "rows": [{family,
@@ -325,8 +325,7 @@ def profile_decode_step(
             )
         )
     rows += [
-        ProfileRow("store K/V", layers, p.cache_op("store", "store")),
-        ProfileRow("RoPE", layers, p.cache_op("rope", "rope")),
+        ProfileRow("store K/V + RoPE (one op)", layers, p.cache_op("store_rope", "store_rope")),
         ProfileRow("attention", layers, p.cache_op("attention", "attention")),
     ]
     rows += [
@@ -344,11 +343,6 @@ def profile_decode_step(
             "SwiGLU (silu x up)",
             layers,
             p.independent("swiglu", [[batch, 2 * inter]], lambda v, _: kvops.swiglu(v[0])),
-        ),
-        ProfileRow(
-            "residual add",
-            2 * layers,
-            p.independent("add", [[batch, h], [batch, h]], lambda v, _: v[0] + v[1]),
         ),
     ]
     if not model.greedy_head:

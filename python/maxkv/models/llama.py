@@ -233,12 +233,16 @@ def build_llama_graph(
     def weight(name: str) -> Weight:
         return Weight(name, _weight_dtype(name), shapes[name], device)
 
-    def linear(x: TensorValue, name: str, out_features: int) -> TensorValue:
-        """``x @ w.T`` for the graph weight ``name`` (``[out_features, in]`` unpacked)."""
+    def linear(
+        x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
+    ) -> TensorValue:
+        """``x @ w.T`` (plus ``residual``) for the graph weight ``name`` (``[out_features, in]``
+        unpacked); packed, the add happens in the matmul's epilogue."""
         if packed:
             quantized = (weight(f"{name}.q"), weight(f"{name}.sm")) if name in quant_bits else None
-            return kvops.linear_packed(x, weight(name), out_features, quantized)
-        return x @ weight(name).T
+            return kvops.linear_packed(x, weight(name), out_features, quantized, residual=residual)
+        y = x @ weight(name).T
+        return y if residual is None else residual + y
 
     input_types = [
         TensorType(DType.int64, ["total_tokens"], device),
@@ -258,24 +262,25 @@ def build_llama_graph(
         h = ops.gather(embed, tokens, axis=0)
         for i in range(cfg.num_hidden_layers):
             x = ops.rms_norm(h, weight(f"layers.{i}.input_norm"), epsilon=cfg.rms_norm_eps)
-            if packed:
+            if packed:  # projection, then K and V stored and Q and K rotated in one pass
                 qkv = linear(x, f"layers.{i}.wqkv", qkv_width)
-                q = kvops.store_kv_ragged(params, qkv, offsets, kv, i)
+                q = kvops.store_kv_ragged(params, qkv, offsets, kv, i, freqs_cis=freqs)
+                q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
             else:
                 q = kvops.fused_qkv_ragged_matmul(
                     params, x, offsets, weight(f"layers.{i}.wqkv"), kv, i
                 )
-            q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
-            q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
+                q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
+                q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
             attn = kvops.flash_attention_ragged(params, q, offsets, kv, i)
-            h = h + linear(attn.reshape(["total_tokens", q_width]), f"layers.{i}.wo", hidden)
+            h = linear(attn.reshape(["total_tokens", q_width]), f"layers.{i}.wo", hidden, h)
             x = ops.rms_norm(h, weight(f"layers.{i}.post_norm"), epsilon=cfg.rms_norm_eps)
             gate_up = linear(x, f"layers.{i}.gate_up", 2 * inter)
             if packed:
                 act = kvops.swiglu(gate_up)
             else:
                 act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            h = h + linear(act, f"layers.{i}.down", hidden)
+            h = linear(act, f"layers.{i}.down", hidden, h)
         last = ops.rebind(offsets[1:] - 1, ["batch_size"])
         h_last = ops.gather(h, ops.cast(last, DType.int64), axis=0)
         h_last = ops.rms_norm(h_last, weight("norm"), epsilon=cfg.rms_norm_eps)
