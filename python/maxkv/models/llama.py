@@ -260,6 +260,8 @@ def build_llama_graph(
         freqs = weight("rope.freqs_cis")
         embed = weight("embed_tokens")
         h = ops.gather(embed, tokens, axis=0)
+        # Each sequence's last token: the only row the head reads.
+        last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
         for i in range(cfg.num_hidden_layers):
             x = ops.rms_norm(h, weight(f"layers.{i}.input_norm"), epsilon=cfg.rms_norm_eps)
             if packed:  # projection, then K and V stored and Q and K rotated in one pass
@@ -273,7 +275,14 @@ def build_llama_graph(
                 q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
                 q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
             attn = kvops.flash_attention_ragged(params, q, offsets, kv, i)
-            h = linear(attn.reshape(["total_tokens", q_width]), f"layers.{i}.wo", hidden, h)
+            attn = attn.reshape(["total_tokens", q_width])
+            if i == cfg.num_hidden_layers - 1:
+                # Every layer's K and V are stored by now, so past the last
+                # attention only the rows the head reads matter: the output
+                # projection and the MLP of the last layer skip the prompt's
+                # other tokens (row-wise ops, so the same values).
+                attn, h = ops.gather(attn, last, axis=0), ops.gather(h, last, axis=0)
+            h = linear(attn, f"layers.{i}.wo", hidden, h)
             x = ops.rms_norm(h, weight(f"layers.{i}.post_norm"), epsilon=cfg.rms_norm_eps)
             gate_up = linear(x, f"layers.{i}.gate_up", 2 * inter)
             if packed:
@@ -281,9 +290,7 @@ def build_llama_graph(
             else:
                 act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             h = linear(act, f"layers.{i}.down", hidden, h)
-        last = ops.rebind(offsets[1:] - 1, ["batch_size"])
-        h_last = ops.gather(h, ops.cast(last, DType.int64), axis=0)
-        h_last = ops.rms_norm(h_last, weight("norm"), epsilon=cfg.rms_norm_eps)
+        h_last = ops.rms_norm(h, weight("norm"), epsilon=cfg.rms_norm_eps)
         if greedy_head:
             g.output(
                 kvops.greedy_head(
