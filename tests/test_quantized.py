@@ -117,6 +117,21 @@ def _random_copy(rng: np.random.Generator, n: int, k: int, bits: int) -> BlockQu
 _N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
 
 
+def _linear_weights(
+    registry: dict[str, np.ndarray], quant: bool, device: DeviceRef
+) -> tuple[Weight, tuple[Weight, Weight] | None]:
+    """Graph weights for ``linear_packed``: the packed float32 ``w``, and with ``quant``
+    the quantized copy ``(q, sm)`` of ``registry``."""
+    w = Weight("w", DType.float32, registry["w"].shape, device)
+    if not quant:
+        return w, None
+    q, sm = registry["q"], registry["sm"]
+    return w, (
+        Weight("q", DType.uint8, q.shape, device),
+        Weight("sm", DType.float32, sm.shape, device),
+    )
+
+
 @pytest.fixture(scope="module")
 def linear_models(
     session: InferenceSession, kernels: Path
@@ -137,13 +152,7 @@ def linear_models(
                 x_type = TensorType(DType.float32, ["m", _K], device)
                 name = f"lin_{bits}_{block_cols}_{quant}"
                 with Graph(name, input_types=[x_type], custom_extensions=[kernels]) as g:
-                    w = Weight("w", DType.float32, registry["w"].shape, device)
-                    quantized = None
-                    if quant:
-                        quantized = (
-                            Weight("q", DType.uint8, q.shape, device),
-                            Weight("sm", DType.float32, sm.shape, device),
-                        )
+                    w, quantized = _linear_weights(registry, quant, device)
                     g.output(kvops.linear_packed(g.inputs[0].tensor, w, _N, quantized))
                 used = registry if quant else {"w": registry["w"]}
                 models.append(session.load(g, weights_registry=used))
@@ -212,13 +221,7 @@ def residual_models(
                 name = f"lin_add_{block_cols}_{add}_{quant}"
                 with Graph(name, input_types=types, custom_extensions=[kernels]) as g:
                     x, residual = (v.tensor for v in g.inputs)
-                    w = Weight("w", DType.float32, registry["w"].shape, device)
-                    quantized = None
-                    if quant:
-                        quantized = (
-                            Weight("q", DType.uint8, q.shape, device),
-                            Weight("sm", DType.float32, sm.shape, device),
-                        )
+                    w, quantized = _linear_weights(registry, quant, device)
                     out = kvops.linear_packed(
                         x, w, _N, quantized, residual=residual if add else None
                     )

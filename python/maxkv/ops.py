@@ -155,6 +155,25 @@ def _query_heads(params: KVCacheParams, name: str, n_heads: int) -> int:
     return n_heads
 
 
+def _check_rope_table(
+    params: KVCacheParams,
+    freqs_cis: TensorValue,
+    dtypes: DType | tuple[DType, ...],
+    device: DeviceRef,
+    interleaved: object,
+) -> None:
+    """Validates a RoPE table ``[positions, head_dim]`` of ``dtypes`` on ``device``."""
+    _check_tensor("freqs_cis", freqs_cis, dtypes, 2)
+    if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
+        raise ValueError(
+            f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
+        )
+    if not same_device(freqs_cis.device, device):
+        raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+
+
 def _check_query(
     params: KVCacheParams,
     input: object,
@@ -270,15 +289,7 @@ def fused_qk_ragged_rope(
         The rotated Q, same shape and dtype as ``input``.
     """
     device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
-    _check_tensor("freqs_cis", freqs_cis, _ROPE_DTYPES, 2)
-    if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
-        raise ValueError(
-            f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
-        )
-    if not same_device(freqs_cis.device, device):
-        raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    _check_rope_table(params, freqs_cis, _ROPE_DTYPES, device, interleaved)
     return ops.inplace_custom(
         kv_collection.op_name("fused_qk_ragged_rope"),
         device=device,
@@ -422,15 +433,7 @@ def store_kv_ragged(
             out_types=out_types,
             parameters=_kernel_parameters(params, kv_collection),
         )[0].tensor
-    _check_tensor("freqs_cis", freqs_cis, DType.float32, 2)
-    if _static_dim("freqs_cis", freqs_cis, 1) != params.head_dim:
-        raise ValueError(
-            f"freqs_cis dim 1 must be head_dim = {params.head_dim}, got {freqs_cis.shape[1]}"
-        )
-    if not same_device(freqs_cis.device, device):
-        raise ValueError(f"freqs_cis must be on {device}, got {freqs_cis.device}")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    _check_rope_table(params, freqs_cis, DType.float32, device, interleaved)
     return ops.inplace_custom(
         kv_collection.op_name("store_kv_rope_ragged"),
         device=device,
