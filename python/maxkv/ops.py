@@ -423,23 +423,18 @@ def store_kv_ragged(
     _query_heads(params, "qkv", q_width // params.head_dim)
     if not same_device(qkv.device, device):
         raise ValueError(f"qkv must be on {device}, got {qkv.device}")
-    out_types = [TensorType(params.dtype, [qkv.shape[0], q_width], device)]
-    layer = _layer_index(layer_idx)
-    if freqs_cis is None:
-        return ops.inplace_custom(
-            kv_collection.op_name("store_kv_ragged"),
-            device=device,
-            values=[qkv, offsets, kv_collection, layer],
-            out_types=out_types,
-            parameters=_kernel_parameters(params, kv_collection),
-        )[0].tensor
-    _check_rope_table(params, freqs_cis, DType.float32, device, interleaved)
+    op, values = "store_kv_ragged", [qkv, offsets, kv_collection]
+    parameters = _kernel_parameters(params, kv_collection)
+    if freqs_cis is not None:
+        _check_rope_table(params, freqs_cis, DType.float32, device, interleaved)
+        op, values = "store_kv_rope_ragged", [*values, freqs_cis]
+        parameters = {**parameters, "interleaved": interleaved}
     return ops.inplace_custom(
-        kv_collection.op_name("store_kv_rope_ragged"),
+        kv_collection.op_name(op),
         device=device,
-        values=[qkv, offsets, kv_collection, freqs_cis, layer],
-        out_types=out_types,
-        parameters={**_kernel_parameters(params, kv_collection), "interleaved": interleaved},
+        values=[*values, _layer_index(layer_idx)],
+        out_types=[TensorType(params.dtype, [qkv.shape[0], q_width], device)],
+        parameters=parameters,
     )[0].tensor
 
 
