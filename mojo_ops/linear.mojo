@@ -12,10 +12,10 @@ vector registers: `block_cols` 64 with AVX-512 (4 rows x 64 columns, 16 of
 32 registers), 16 with AVX2 (6 x 16, 12 of 16 registers; a 4 x 64 block
 there spills, and 16-column blocks read from a 64-column row stream their
 weights with a stride the prefetchers follow badly: 0.7 vs 0.9 ms per
-3072 x 576 matmul at 32 rows, measured).  The column blocks are split into
-one contiguous range per worker thread; with AVX2's blocks each register
-block also prefetches part of the weights two column blocks ahead (see
-`_column_block`).  CPU and float32 only; other targets
+3072 x 576 matmul at 32 rows, measured).  Worker threads claim the column
+blocks one at a time, two workers from either end of a shared range (see
+`_linear`); with AVX2's blocks each register block also prefetches part of
+the weights two column blocks ahead (see `_column_block`).  CPU and float32 only; other targets
 use MAX's matmul (see `maxkv.ops.linear`).
 
 `maxkv.linear_packed_q` also takes a block-quantized copy of the same
@@ -33,7 +33,9 @@ from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
+from std.atomic import Atomic
 from std.math import exp
+from std.memory import alloc
 from std.sys.intrinsics import PrefetchOptions, prefetch
 from std.utils import StaticTuple
 
@@ -52,6 +54,8 @@ comptime PREFETCH_SPAN = 6
 """Weight rows per prefetch round of a register block (see `_column_block`)."""
 comptime PREFETCH_AHEAD = 2
 """Column blocks ahead of the current one whose weights are prefetched."""
+comptime CLAIM_STRIDE = 8
+"""Int64s between two pairs' claim counters in `_linear` (one 64-byte line each)."""
 
 
 def block_rows[C: Int]() -> Int:
@@ -237,30 +241,56 @@ def _linear[BITS: Int, C: Int, ADD: Bool](
 ) raises:
     """`op[M, N] = xp[M, K] @ w.T` (plus `residual[M, N]` with `ADD`) over the float32 tiles `wp` (`BITS == FLOAT32`,
     column blocks of `C`) or the quantized tiles `qp` / `smp`, read in column
-    blocks of `C`.  Each worker takes one contiguous range of column blocks
-    (of tiles where `C` is the whole tile): SmolLM2's 576-column matrices have
-    9 tiles, which two workers would split 5 to 4, but 36 blocks of 16 split
-    18 to 18 (30 layers of its matmuls at 32 rows: 101 -> 92 ms, Zen 3)."""
+    blocks of `C` (of tiles where `C` is the whole tile): SmolLM2's 576-column
+    matrices have 9 tiles, which two workers would split 5 to 4, but 36 blocks
+    of 16 split evenly (30 layers of its matmuls at 32 rows: 101 -> 92 ms,
+    Zen 3).
+
+    Workers go in pairs over one contiguous range of column blocks per pair,
+    the first from its start up, the second from its end down, each claiming
+    one block at a time from the pair's counter until the range is used up, so
+    a worker that starts late or runs slower does fewer blocks instead of
+    holding the other at the join.  With a fixed half each, the two workers
+    of one call finished 20-300 us apart (2-core Zen 3; one worker could as
+    well run slower as start later); SmolLM2's 120 matmuls of a step (30
+    layers, distinct weights, in a chain) at 32 rows took 53.2 ms that way and
+    49.0 ms claimed this way (medians over 8 A/B pairs of processes).  Each
+    worker still walks its blocks in order, so it prefetches the ones it will
+    take next."""
     comptime BLOCKS = TILE // C
     var blocks = tiles * BLOCKS
     var workers = max(1, min(parallelism_level(None), blocks))
+    var pairs = (workers + 1) // 2
     var q_tile = K * TILE * BITS // 8
     var sm_tile = (K // QBLOCK) * 2 * TILE
+    # One claim counter per pair, each on its own cache line.
+    var claimed = alloc[Int64](pairs * CLAIM_STRIDE).unsafe_origin_cast[MutUntrackedOrigin]()
+    for p in range(pairs):
+        claimed[unsafe_offset=p * CLAIM_STRIDE] = 0
 
     def work(worker: Int) {imm}:
-        var end = (worker + 1) * blocks // workers
-        for i in range(worker * blocks // workers, end):
+        var pair = worker // 2
+        var first = pair * blocks // pairs
+        var last = (pair + 1) * blocks // pairs - 1
+        var up = worker % 2 == 0
+        var claim = claimed.unsafe_offset(pair * CLAIM_STRIDE)
+        var done = 0
+        while Int(Atomic[Int64].fetch_add(claim, 1)) <= last - first:
+            var i = first + done if up else last - done
+            done += 1
             var t = i // BLOCKS
             var q = qp.unsafe_offset(t * q_tile)
             var sm = smp.unsafe_offset(t * sm_tile)
             var w = wp.unsafe_offset(i * C * K)
-            # The column block after the next one (the last one's own at the end).
-            var pf = wp.unsafe_offset(min(i + PREFETCH_AHEAD, end - 1) * C * K)
+            # The block two ahead in this worker's direction (its own at the end).
+            var ahead = min(i + PREFETCH_AHEAD, last) if up else max(i - PREFETCH_AHEAD, first)
+            var pf = wp.unsafe_offset(ahead * C * K)
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
                     _column_block[BITS, C, b * C, ADD](xp, w, q, sm, op, M, K, N, t * TILE, pf, residual)
 
     sync_parallelize(work, workers)
+    claimed.unsafe_free()
 
 
 def _check_packed[block_cols: Int](
