@@ -228,9 +228,10 @@ def prefill_summary(
             "page_size": manager.page_size,
             "num_pages": manager.num_pages,
         }
-    if isinstance(manager, ContinuousBatchingKVCacheManager) and manager.prefix_caching:
+    if manager.prefix_caching:
         stats = manager.prefix_cache_stats
         summary["prefix_cache_lookups"] = stats.lookups
+        summary["prefix_cache_hit_tokens"] = stats.hit_tokens
         summary["prefix_cache_evictions"] = stats.evictions
     return summary
 
@@ -251,8 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         if temperature < 0:
             raise ValueError("--temperature must be >= 0")
         sampling = temperature > 0 or args.n > 1
-        if args.cache == "paged" and args.prefix_caching:
-            raise ValueError("--prefix-caching runs on the contiguous cache, not --cache paged")
         if args.page_size < 1 or (args.num_pages is not None and args.num_pages < 1):
             raise ValueError("--page-size and --num-pages must be >= 1")
         if args.verify and sampling:
@@ -291,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             config.num_hidden_layers,
             [device],
             session,
+            enable_prefix_caching=args.prefix_caching,
         )
     else:
         manager = ContinuousBatchingKVCacheManager(

@@ -431,6 +431,28 @@ def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_g
     assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once
 
 
+@pytest.mark.compile
+def test_demo_paged_prefix_caching_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """--cache paged --prefix-caching with a shared system prompt: later requests share
+    its cached pages, and every answer still equals transformers'."""
+    requires_transformers()
+    out = tmp_path / "out.json"
+    system = (
+        "You are a museum guide. Answer in one short sentence, politely, and only about "
+        "what the visitor asked. The museum opens at nine and closes at five."
+    )
+    result = run_demo(
+        *("--model", str(smollm2_gguf), "--max-new-tokens", "12"),
+        *("--cache", "paged", "--page-size", "16", "--prefix-caching"),
+        *("--system-prompt", system, "--verify", "--output-json", str(out)),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify against transformers: all match (8 requests)" in result.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["cache"] == "paged" and summary["prefix_cache_lookups"] == 8
+    assert summary["prefix_cache_hit_tokens"] >= 7 * 32  # the system prompt's whole pages
+
+
 def test_gguf_tokenizer_converts_without_torch(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

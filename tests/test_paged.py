@@ -19,6 +19,7 @@ from max.engine import InferenceSession, Model
 from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from maxkv import ops as kvops
 from maxkv.paged_manager import UNUSED_PAGE
+from maxkv.protocol import CacheFullError
 
 from .reference import ReferenceLayerCache
 from .test_attention import (
@@ -257,8 +258,10 @@ def test_out_of_pages_is_a_value_error_before_any_change(session: InferenceSessi
     manager.claim(2)
     manager.fetch([0], active_lengths=[8])  # 2 pages
     manager.step({0: 8})
-    with pytest.raises(ValueError, match="out of pages: this fetch needs 2"):
+    with pytest.raises(CacheFullError, match="out of pages: this step needs 2"):
         manager.fetch([0, 1], active_lengths=[1, 4])  # seq 0: 1 page, seq 1: 1 page... of 1
+    with pytest.raises(CacheFullError, match="out of pages: this step needs 2"):
+        manager.reserve({0: 9, 1: 4})  # the same room, asked ahead
     assert manager.free_pages == 1
     assert manager.pages(1) == ()
     assert len(manager.pages(0)) == 2

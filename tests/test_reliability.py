@@ -548,6 +548,267 @@ PagedMachine.TestCase.settings = settings(
 TestPagedStateMachine = PagedMachine.TestCase
 
 
+PREFIX_PAGE = 2
+PREFIX_PAGES = 12
+PREFIX_IDS = 4
+PREFIX_SEQ_LEN = 14
+SALTS = (None, "tenant-b")
+
+
+def kv_value(prefix: Sequence[int], salt: str | None) -> float:
+    """The value a model writes at the last position of ``prefix``: a function of the
+    whole prefix (as a real K/V row is), exact in float32."""
+    return float(hash((salt, *prefix)) % 2**23)
+
+
+class PagedPrefixModel:
+    """What a paged manager with prefix caching holds, from its contract.
+
+    Per live sequence: token ids, salt, the prompt tokens it still has to
+    prefill, and whether its page chain was built since the last
+    ``reset_prefix_cache`` (only then are its full pages findable).  Every
+    page-aligned prefix ever committed, per salt (since the last reset),
+    bounds what a claim may find from above; the committed prefixes of live,
+    registered sequences bound it from below (held pages are never evicted).
+    """
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.salt: dict[int, str | None] = {}
+        self.pending: dict[int, list[int]] = {}
+        self.registered: dict[int, bool] = {}
+        self.committed: dict[str | None, set[tuple[int, ...]]] = {s: set() for s in SALTS}
+
+    def commit(self, seq: int) -> None:
+        tokens = self.tokens[seq]
+        for end in range(PREFIX_PAGE, len(tokens) + 1, PREFIX_PAGE):
+            self.committed[self.salt[seq]].add(tuple(tokens[:end]))
+
+    def bounds(self, prompt: list[int], salt: str | None) -> tuple[int, int]:
+        usable = len(prompt) - 1
+        upper = max(
+            (n for n in range(0, usable + 1, PREFIX_PAGE)
+             if n == 0 or tuple(prompt[:n]) in self.committed[salt]),
+            default=0,
+        )  # fmt: skip
+        lower = 0
+        for seq, tokens in self.tokens.items():
+            if self.salt[seq] != salt or not self.registered[seq]:
+                continue
+            n = 0
+            while n < min(usable, len(tokens)) and tokens[n] == prompt[n]:
+                n += 1
+            lower = max(lower, n - n % PREFIX_PAGE)
+        return lower, upper
+
+
+class PagedPrefixMachine(RuleBasedStateMachine):
+    """claim_prefix (with salts), claim, prefill and decode, fork, pop_n, release and
+    resets on a paged manager with prefix caching.
+
+    Writes go through the page table ``fetch`` returns, with values that are
+    a function of the whole prefix (as real keys and values are), so reading
+    every live sequence back through its pages catches a page shared between
+    different prefixes or salts, a write into a shared or cached page, and a
+    wrong fork; reference counts and free pages are checked against the
+    pages the sequences hold, and every claim's hit against the model's bounds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
+        self.manager = PagedKVCacheManager(
+            params,
+            PREFIX_PAGE,
+            PREFIX_PAGES,
+            PREFIX_IDS,
+            PREFIX_SEQ_LEN,
+            1,
+            [CPU()],
+            shared_session(),
+            enable_prefix_caching=True,
+        )
+        self.model = PagedPrefixModel()
+        self.lookups = 0
+        self.hit_tokens = 0
+        RELIABILITY_COUNTS["paged prefix machine: examples"] += 1
+
+    def state(self) -> object:
+        m = self.manager
+        return dict(m.cache_lengths), m.free_pages, {s: m.pages(s) for s in m.cache_lengths}
+
+    def rejected(self, call: object, *args: object, **kwargs: object) -> None:
+        before = self.state()
+        with pytest.raises(ValueError):
+            call(*args, **kwargs)  # type: ignore[operator]
+        assert self.state() == before
+        RELIABILITY_COUNTS["paged prefix machine: inputs rejected"] += 1
+
+    def live(self) -> list[int]:
+        return sorted(self.model.tokens)
+
+    @rule(data=st.data())
+    def claim_prefix(self, data: st.DataObject) -> None:
+        salt = data.draw(st.sampled_from(SALTS), label="salt")
+        known = [t for t in self.model.committed[salt] if t]
+        if known and data.draw(st.integers(0, 3), label="reuse") > 0:
+            base = list(data.draw(st.sampled_from(sorted(known)), label="base"))
+            tail = data.draw(st.lists(st.integers(1, 3), max_size=4), label="tail")
+            prompt = base + tail
+        else:
+            prompt = data.draw(st.lists(st.integers(1, 3), max_size=8), label="prompt")
+        if not prompt or len(prompt) > PREFIX_SEQ_LEN or len(self.live()) == PREFIX_IDS:
+            self.rejected(self.manager.claim_prefix, prompt, salt=salt)
+            return
+        lower, upper = self.model.bounds(prompt, salt)
+        assert self.manager.cached_prefix_length(prompt, salt=salt) <= upper
+        seq, cached = self.manager.claim_prefix(prompt, salt=salt)
+        assert cached % PREFIX_PAGE == 0 and lower <= cached <= upper, (lower, cached, upper)
+        self.lookups += 1
+        self.hit_tokens += cached
+        if cached:
+            RELIABILITY_COUNTS["paged prefix machine: hits"] += 1
+        self.model.tokens[seq] = prompt[:cached]
+        self.model.salt[seq] = salt
+        self.model.pending[seq] = prompt[cached:]
+        self.model.registered[seq] = True
+        if data.draw(st.booleans(), label="prefill now"):
+            self.write({seq: self.model.pending[seq]})
+
+    @rule()
+    def claim(self) -> None:
+        if len(self.live()) == PREFIX_IDS:
+            self.rejected(self.manager.claim, 1)
+            return
+        (seq,) = self.manager.claim(1)
+        self.model.tokens[seq], self.model.salt[seq] = [], None
+        self.model.pending[seq], self.model.registered[seq] = [], True
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        seqs = data.draw(
+            st.lists(st.sampled_from(self.live()), min_size=1, max_size=2, unique=True)
+        )
+        new_tokens = {}
+        for seq in seqs:
+            pending = self.model.pending[seq]
+            if pending:
+                new_tokens[seq] = pending[: data.draw(st.integers(1, len(pending)))]
+            else:
+                new_tokens[seq] = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+        self.write(new_tokens)
+
+    def write(self, new_tokens: dict[int, list[int]]) -> None:
+        """fetch, write each new token's value through the page table, step with the ids."""
+        m = self.manager
+        seqs = list(new_tokens)
+        active = [len(new_tokens[s]) for s in seqs]
+        totals = {s: len(self.model.tokens[s]) + len(t) for s, t in new_tokens.items()}
+        if max(totals.values()) > PREFIX_SEQ_LEN:
+            self.rejected(m.fetch, seqs, 1, active_lengths=active)
+            return
+        try:
+            m.reserve(totals)
+        except ValueError:  # out of pages (CacheFullError): nothing may have changed
+            RELIABILITY_COUNTS["paged prefix machine: out of pages"] += 1
+            self.rejected(m.fetch, seqs, 1, active_lengths=active)
+            return
+        (inputs,) = m.fetch(seqs, 1, active_lengths=active)
+        pages, table = inputs[0].to_numpy(), inputs[2].to_numpy()
+        for row, seq in enumerate(seqs):
+            tokens = self.model.tokens[seq]
+            for token in new_tokens[seq]:
+                tokens.append(token)
+                t = len(tokens) - 1
+                value = kv_value(tokens, self.model.salt[seq])
+                pages[table[row, t // PREFIX_PAGE], :, 0, t % PREFIX_PAGE] = value
+            self.model.pending[seq] = self.model.pending[seq][len(new_tokens[seq]) :]
+        m.step({s: len(t) for s, t in new_tokens.items()}, tokens=new_tokens)
+        for seq in seqs:
+            if self.model.registered[seq]:
+                self.model.commit(seq)
+        RELIABILITY_COUNTS["paged prefix machine: appends"] += 1
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.live()))
+        pos = data.draw(st.integers(0, len(self.model.tokens[parent])))
+        needs_copy = pos % PREFIX_PAGE != 0
+        if len(self.live()) == PREFIX_IDS or (needs_copy and self.manager.free_pages == 0):
+            self.rejected(self.manager.fork, parent, pos)
+            return
+        child = self.manager.fork(parent, pos)
+        self.model.tokens[child] = self.model.tokens[parent][:pos]
+        self.model.salt[child] = self.model.salt[parent]
+        self.model.pending[child] = []
+        self.model.registered[child] = self.model.registered[parent]
+        RELIABILITY_COUNTS["paged prefix machine: forks"] += 1
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def pop_n(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live()))
+        n = data.draw(st.integers(0, len(self.model.tokens[seq]) + 1))
+        if not 0 < n <= len(self.model.tokens[seq]):
+            self.rejected(self.manager.pop_n, seq, n)
+            return
+        self.manager.pop_n(seq, n)
+        del self.model.tokens[seq][-n:]
+        self.model.pending[seq] = []
+        RELIABILITY_COUNTS["paged prefix machine: pop_n"] += 1
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live()))
+        self.manager.release(seq)
+        del self.model.tokens[seq], self.model.salt[seq], self.model.pending[seq]
+        del self.model.registered[seq]
+
+    @rule(data=st.data())
+    def reset_prefix_cache(self, data: st.DataObject) -> None:
+        if data.draw(st.integers(0, 9), label="rarely") != 0:
+            return
+        self.manager.reset_prefix_cache()
+        self.model.committed = {s: set() for s in SALTS}
+        for seq in self.model.registered:
+            self.model.registered[seq] = False
+        RELIABILITY_COUNTS["paged prefix machine: resets"] += 1
+
+    @invariant()
+    def pages_hold_every_prefix(self) -> None:
+        m = self.manager
+        assert dict(m.cache_lengths) == {s: len(t) for s, t in self.model.tokens.items()}
+        pages = m._pages[0].to_numpy()
+        holders: dict[int, int] = {}
+        for seq, tokens in self.model.tokens.items():
+            held = m.pages(seq)
+            assert len(set(held)) == len(held), f"seq {seq} holds a page twice: {held}"
+            for page in held:
+                holders[page] = holders.get(page, 0) + 1
+            salt = self.model.salt[seq]
+            for t in range(len(tokens)):
+                read = pages[held[t // PREFIX_PAGE], 0, 0, t % PREFIX_PAGE, 0, 0]
+                assert read == kv_value(tokens[: t + 1], salt), (seq, t, tokens)
+        for page in range(PREFIX_PAGES):
+            assert m.page_refcount(page) == holders.get(page, 0), f"page {page}"
+        assert m.free_pages == PREFIX_PAGES - len(holders), "a page leaked"
+        stats = m.prefix_cache_stats
+        assert (stats.lookups, stats.hit_tokens) == (self.lookups, self.hit_tokens)
+        RELIABILITY_COUNTS["paged prefix machine: steps"] += 1
+
+
+PagedPrefixMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPagedPrefixStateMachine = PagedPrefixMachine.TestCase
+
+
 def test_eight_threads_share_one_manager() -> None:
     """Thousands of mixed operations from 8 threads; then every slot is back and
     no id was ever held by two threads at once."""

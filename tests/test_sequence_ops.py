@@ -1,4 +1,4 @@
-"""Sequence operations on the contiguous cache: fork, pop_n and prefix caching.
+"""Sequence operations: fork, pop_n and prefix caching (contiguous; paged on the real model).
 
 Copies are checked byte for byte against the slots written through NumPy
 (the blocks of a CPU manager are host memory); a forked child's attention
@@ -19,10 +19,16 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 import maxkv
-from maxkv import ContinuousBatchingKVCacheManager, FetchContinuousBatchingKVCacheCollection
+from maxkv import (
+    ContinuousBatchingKVCacheManager,
+    FetchContinuousBatchingKVCacheCollection,
+    PagedKVCacheManager,
+)
 from maxkv.models import LlamaModel
+from maxkv.models.llama import cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.prefix_cache import PrefixIndex
+from maxkv.protocol import KVCacheManagerBase
 from maxkv.scheduler import ContinuousBatchingScheduler
 
 from . import reference
@@ -208,10 +214,16 @@ SYSTEM = (
 )
 
 
+_paged_llama: dict[str, LlamaModel] = {}
+
+
 @pytest.mark.compile
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_prefix_caching_gives_the_same_tokens(
-    smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
+    cache: str, smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
 ) -> None:
+    """Contiguous: rows copied from the slot that holds the prefix; paged: pages of
+    16 tokens shared by reference.  Either way the tokens of running without."""
     tokenizer = smollm2.tokenizer
     assert tokenizer is not None
     questions = ["Where are the fossils?", "When is the museum open?", "Can I take photos?"]
@@ -219,9 +231,34 @@ def test_prefix_caching_gives_the_same_tokens(
     assert min(len(p) for p in prompts) > 200
     new_tokens = 10
 
+    def manager_for(prefix_caching: bool) -> KVCacheManagerBase:
+        if cache == "contiguous":
+            return smollm2_manager(smollm2, session, 3, 320, enable_prefix_caching=prefix_caching)
+        config = smollm2.config
+        return PagedKVCacheManager(
+            cache_params(config),
+            16,
+            3 * 20,
+            3,
+            320,
+            config.num_hidden_layers,
+            [CPU()],
+            session,
+            enable_prefix_caching=prefix_caching,
+        )
+
+    def model_for(manager: KVCacheManagerBase) -> LlamaModel:
+        if cache == "contiguous":
+            return smollm2_llama
+        if "paged" not in _paged_llama:  # one graph for every paged manager of 16-token pages
+            _paged_llama["paged"] = LlamaModel(
+                smollm2.config, smollm2.weights, manager, session, quantized=smollm2.quantized
+            )
+        return _paged_llama["paged"]
+
     def run(prefix_caching: bool) -> tuple[list[list[int]], ContinuousBatchingScheduler]:
-        manager = smollm2_manager(smollm2, session, 3, 320, enable_prefix_caching=prefix_caching)
-        scheduler = ContinuousBatchingScheduler(smollm2_llama, manager, 3, num_steps=4)
+        manager = manager_for(prefix_caching)
+        scheduler = ContinuousBatchingScheduler(model_for(manager), manager, 3, num_steps=4)
         for prompt in prompts:
             scheduler.submit(prompt, new_tokens)
         outputs, _ = scheduler.run()
@@ -233,6 +270,8 @@ def test_prefix_caching_gives_the_same_tokens(
     requests = scheduler.requests()
     assert requests[0].cached_tokens == 0
     shared = len(tokenizer.encode_chat("", system=SYSTEM)) - 8
+    if cache == "paged":
+        shared -= shared % 16  # whole pages
     assert all(r.cached_tokens >= shared for r in requests[1:])
     requires_transformers()
     from maxkv.models.hf import hf_from_pretrained, hf_generate

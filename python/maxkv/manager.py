@@ -38,7 +38,7 @@ from .graph import (
     FetchContinuousBatchingKVCacheCollection,
 )
 from .params import KVCacheParams
-from .prefix_cache import PrefixCacheStats, PrefixIndex
+from .prefix_cache import PrefixIndex
 from .protocol import (
     KVCacheInputs,
     KVCacheInputSymbols,
@@ -189,89 +189,55 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         return self._prefix is not None
 
     @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Lookups, hit tokens and evictions so far (a copy)."""
-        with self._lock:
-            if self._prefix is None:
-                raise ValueError("prefix caching is not enabled (enable_prefix_caching=True)")
-            s = self._prefix.stats
-            return PrefixCacheStats(s.lookups, s.hit_tokens, s.evictions)
-
-    @property
     def prefix_block_size(self) -> int:
         """Tokens per hashed block of the prefix cache."""
         if self._prefix is None:
             raise ValueError("prefix caching is not enabled (enable_prefix_caching=True)")
         return self._prefix.block_size
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-        """Tokens of ``prompt`` that :meth:`claim_prefix` would find now (no change)."""
-        with self._lock:
-            return self._find_prefix(self._prompt(prompt))[1]
+    def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
+        return self._find_prefix(tokens, salt)[1]
 
-    def claim_prefix(self, prompt: Sequence[int]) -> tuple[int, int]:
-        """Protocol step 1 with prefix caching: claims a sequence for ``prompt``.
+    def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
+        # Copy into a free slot, so that a released source keeps all it holds
+        # for later prompts; take the source over in place when it is the
+        # only free slot.
+        assert self._prefix is not None
+        source, cached = self._find_prefix(tokens, salt)
+        spare = self._slot_order(exclude=source)[:1]
+        if source is not None and source in self._free_slots and not spare:
+            self._free_slots.remove(source)
+            self._prefix.keep(source)
+            self._prefix.truncate(source, cached)
+            return source, cached
+        (seq_id,) = spare
+        self._free_slots.remove(seq_id)
+        self._prefix.reuse(seq_id)
+        if source is not None and cached:
+            try:
+                self._copy(source, seq_id, cached)
+            except BaseException:
+                self._storage_release(seq_id)
+                raise
+            self._prefix.copy(source, seq_id, cached)
+        else:
+            self._prefix.set_salt(seq_id, salt)
+        return seq_id, cached
 
-        The new sequence starts holding the longest prefix of ``prompt`` any
-        slot holds (at most ``len(prompt) - 1`` tokens, so at least one token
-        is left to compute), copied on the device into a free slot (so a
-        released source keeps all it holds), or taken over in place when the
-        source is the only free slot.  Prefill ``prompt[cached:]`` next.
+    def _storage_prefix_counters(self) -> tuple[int, int]:
+        assert self._prefix is not None
+        return self._prefix.stats.evictions, self._prefix.indexed_blocks
 
-        Returns:
-            ``(seq_id, cached)``: the id and the prompt tokens already cached.
+    def _storage_reset_prefix_cache(self) -> None:
+        # Released slots' records go; live sequences stay findable until released.
+        assert self._prefix is not None
+        for slot in self._prefix.released_lru():
+            self._prefix.forget(slot)
 
-        Raises:
-            ValueError: If prefix caching is off, the prompt is empty or
-                longer than ``max_seq_len``, or no slot is free.
-        """
-        with self._lock:
-            if self._prefix is None:
-                raise ValueError("claim_prefix needs enable_prefix_caching=True")
-            tokens = self._prompt(prompt)
-            if len(tokens) > self.max_seq_len:
-                raise ValueError(
-                    f"prompt of {len(tokens)} tokens is longer than max_seq_len {self.max_seq_len}"
-                )
-            if not self._free_slots:
-                raise ValueError(f"cannot claim: all {self.max_cache_batch_size} slots are in use")
-            self._prefix.stats.lookups += 1
-            source, cached = self._find_prefix(tokens)
-            spare = self._slot_order(exclude=source)[:1]
-            if source is not None and source in self._free_slots and not spare:
-                # The only free slot holds the prefix: take it over in place.
-                self._free_slots.remove(source)
-                self._prefix.keep(source)
-                self._prefix.truncate(source, cached)
-                seq_id = source
-            else:
-                # Copy, so that a released source keeps all it holds for later prompts.
-                (seq_id,) = spare
-                self._free_slots.remove(seq_id)
-                self._prefix.reuse(seq_id)
-                if source is not None and cached:
-                    try:
-                        self._copy(source, seq_id, cached)
-                    except BaseException:
-                        self._storage_release(seq_id)
-                        raise
-                    self._prefix.copy(source, seq_id, cached)
-            self._lengths[seq_id] = cached
-            self._prefix.stats.hit_tokens += cached
-            return seq_id, cached
-
-    def _prompt(self, prompt: Sequence[int]) -> list[int]:
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
-        tokens = [require_int("prompt token", t, 0) for t in prompt]
-        if not tokens:
-            raise ValueError("prompt must not be empty")
-        return tokens
-
-    def _find_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
+    def _find_prefix(self, tokens: list[int], salt: str | None) -> tuple[int | None, int]:
         assert self._prefix is not None
         candidates = set(self._lengths) | set(self._prefix.released_lru())
-        source, cached = self._prefix.longest_prefix(tokens[:-1], candidates)
+        source, cached = self._prefix.longest_prefix(tokens[:-1], candidates, salt)
         if source is not None and source in self._lengths:
             cached = min(cached, self._lengths[source])  # only committed tokens
         return (source, cached) if cached else (None, 0)
@@ -343,24 +309,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             return
         for seq_id, ids in tokens.items():
             self._prefix.append(seq_id, ids)
-
-    def step(
-        self,
-        valid_lengths: Mapping[int, int],
-        tokens: Mapping[int, Sequence[int]] | None = None,
-    ) -> None:
-        """Protocol step 4: commits new tokens (see :meth:`KVCacheManagerBase.step`).
-
-        With prefix caching, ``tokens`` must give the ids of every sequence
-        that commits tokens.
-        """
-        if self._prefix is not None and isinstance(valid_lengths, Mapping):
-            missing = [s for s, n in valid_lengths.items() if n and s not in (tokens or {})]
-            if missing:
-                raise ValueError(
-                    f"prefix caching records committed tokens: pass tokens= for seq_ids {missing}"
-                )
-        super().step(valid_lengths, tokens)
 
     # -------------------------------------------------------------- copies
 

@@ -23,12 +23,22 @@ Between rounds: ``fork(parent, fork_pos)`` shares the parent's full pages
 (reference counts) and copies only the tokens of its partial last page into
 one new page; ``pop_n`` drops tokens and frees the pages that become empty.
 :attr:`PagedKVCacheManager.free_pages` is exact at every moment.
+
+Prefix caching by page sharing (``enable_prefix_caching=True``, vLLM's and
+MAX's scheme): when ``step`` commits the token ids that fill a page, the page
+is registered under the chained hash of its tokens (the parent page's hash,
+and a per-sequence salt before the first page).  ``claim_prefix(prompt,
+salt=...)`` (step 1) maps the prompt to the longest run of registered pages
+and shares them, without a copy.  A registered page is read-only: a sequence
+that would write into it (after ``pop_n``) copies it first.  When its last
+holder lets go it stays registered, and findable, until a new allocation
+evicts it (least recently freed first, after every page without content).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from max.driver import Buffer, Device
@@ -45,7 +55,9 @@ from .graph import (
 )
 from .page_pool import PagePool
 from .params import KVCacheParams
+from .prefix_cache import block_hashes, root_hash
 from .protocol import (
+    CacheFullError,
     KVCacheInputs,
     KVCacheInputSymbols,
     KVCacheManagerBase,
@@ -74,6 +86,11 @@ class PagedKVCacheManager(KVCacheManagerBase):
         devices: One device per ``params.n_devices``.
         session: The session that runs the model; compiles the increment
             and copy graphs.
+        enable_prefix_caching: Register full pages under the hash of their
+            tokens and share them with later prompts (:meth:`claim_prefix`);
+            :meth:`step` then needs the committed token ids.  Sharing needs
+            no copy, so any device; a copy-on-write (after ``pop_n`` into a
+            registered page) copies on the CPU only.
 
     Raises:
         ValueError: If a size is not a positive int or the number of devices
@@ -90,6 +107,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         num_layers: int,
         devices: Sequence[Device],
         session: InferenceSession,
+        *,
+        enable_prefix_caching: bool = False,
     ) -> None:
         super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
         self.page_size = require_int("page_size", page_size, 1)
@@ -100,6 +119,12 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._free_seq_ids: set[int] = set(range(self.max_batch_size))
         self._pool = PagePool(self.num_pages)
         self._page_lists: dict[int, list[int]] = {}
+        self._prefix_caching = bool(enable_prefix_caching)
+        #: Prefix caching, per sequence: committed token ids, salt, and the
+        #: hashes of its full pages (the chain its next full page extends).
+        self._tokens: dict[int, list[int]] = {}
+        self._salts: dict[int, str | None] = {}
+        self._hashes: dict[int, list[bytes]] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = zeroed_buffers(shape, params.dtype, self.devices)
 
@@ -182,6 +207,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
             return self._pool.refcount(page)
 
+    def page_is_cached(self, page: int) -> bool:
+        """Whether ``page`` is registered in the prefix cache (and so read-only)."""
+        with self._lock:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
+            return self._pool.is_cached(page)
+
     def storage_units(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` tokens holds."""
         return math.ceil(tokens / self.page_size)
@@ -190,6 +222,71 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def total_storage_units(self) -> int:
         """Pages in the cache."""
         return self.num_pages
+
+    # ------------------------------------------------------ prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching by page sharing is on."""
+        return self._prefix_caching
+
+    @property
+    def prefix_block_size(self) -> int:
+        """A prefix is reused in whole pages."""
+        self._require_prefix_caching("prefix_block_size")
+        return self.page_size
+
+    def _cached_pages(self, tokens: list[int], salt: str | None) -> tuple[list[int], list[bytes]]:
+        """The registered pages holding the longest page-aligned prefix of ``tokens[:-1]``."""
+        pages: list[int] = []
+        hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
+        for block in hashes:
+            page = self._pool.lookup(block)
+            if page is None:
+                break
+            pages.append(page)
+        return pages, hashes[: len(pages)]
+
+    def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
+        return len(self._cached_pages(tokens, salt)[0]) * self.page_size
+
+    def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
+        pages, hashes = self._cached_pages(tokens, salt)
+        (seq_id,) = self._storage_claim(1)
+        cached = len(pages) * self.page_size
+        self._pool.share(pages)
+        self._page_lists[seq_id] = pages
+        self._tokens[seq_id] = tokens[:cached]
+        self._salts[seq_id] = salt
+        self._hashes[seq_id] = hashes
+        return seq_id, cached
+
+    def _storage_prefix_counters(self) -> tuple[int, int]:
+        return self._pool.counters.evictions, self._pool.cached_count
+
+    def _storage_reset_prefix_cache(self) -> None:
+        self._pool.reset_cache()
+
+    def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
+        """Registers the pages the committed tokens filled (prefix caching)."""
+        if not self._prefix_caching:
+            return
+        for seq_id, ids in tokens.items():
+            held_tokens = self._tokens[seq_id]
+            held_tokens.extend(ids)
+            hashes = self._hashes[seq_id]
+            parent = hashes[-1] if hashes else root_hash(self._salts[seq_id])
+            start = len(hashes) * self.page_size
+            pages = self._page_lists[seq_id]
+            for block in block_hashes(held_tokens, self.page_size, parent, start):
+                index = len(hashes)
+                page = pages[index]
+                registered = self._pool.register(page, block)
+                if registered != page:  # the same content is cached already: share it
+                    self._pool.share([registered])
+                    pages[index] = registered
+                    self._pool.free([page])
+                hashes.append(block)
 
     # ------------------------------------------------------- storage hooks
 
@@ -205,10 +302,15 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id in seq_ids:
             self._free_seq_ids.remove(seq_id)
             self._page_lists[seq_id] = []
+            if self._prefix_caching:
+                self._tokens[seq_id], self._salts[seq_id], self._hashes[seq_id] = [], None, []
 
     def _storage_release(self, seq_id: int) -> None:
-        self._pool.free(self._page_lists.pop(seq_id))
+        # Last page first: a sequence's prefix outlives its tail in the cache.
+        self._pool.free(reversed(self._page_lists.pop(seq_id)))
         self._free_seq_ids.add(seq_id)
+        for records in (self._tokens, self._salts, self._hashes):
+            records.pop(seq_id, None)
 
     def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
         # Plan first (nothing changes if the pages do not suffice), then act.
@@ -225,8 +327,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             plans.append((seq_id, shared, new))
             needed += len(shared) + new
         if needed > self._pool.free_count:
-            raise ValueError(
-                f"out of pages: this fetch needs {needed} new pages of {self.page_size} tokens, "
+            raise CacheFullError(
+                f"out of pages: this step needs {needed} new pages of {self.page_size} tokens, "
                 f"{self._pool.free_count} of {self.num_pages} are free"
             )
         for seq_id, shared, new in plans:
@@ -239,17 +341,23 @@ class PagedKVCacheManager(KVCacheManagerBase):
     ) -> list[KVCacheInputs]:
         return self._inputs([self._page_lists[s] for s in seq_ids], lengths, max_lengths)
 
+    def _storage_room(self, seq_id: int) -> int:
+        return len(self._page_lists[seq_id]) * self.page_size
+
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         held = self._page_lists[seq_id]
         keep = self.storage_units(length)
-        self._pool.free(held[keep:])
+        self._pool.free(reversed(held[keep:]))
         del held[keep:]
+        if self._prefix_caching:
+            del self._tokens[seq_id][length:]
+            del self._hashes[seq_id][length // self.page_size :]
 
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
         full = fork_pos // self.page_size
         partial = fork_pos % self.page_size
         if partial and self._pool.free_count < 1:
-            raise ValueError(
+            raise CacheFullError(
                 f"cannot fork seq_id {parent} at {fork_pos}: its partial page needs a copy "
                 "and no page is free"
             )
@@ -260,13 +368,18 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if partial:
             child_pages += self._pool.allocate(1)
         self._page_lists[child] = child_pages
+        if self._prefix_caching:
+            self._tokens[child] = self._tokens[parent][:fork_pos]
+            self._salts[child] = self._salts[parent]
+            self._hashes[child] = self._hashes[parent][:full]
         if partial:
             self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
 
     # -------------------------------------------------------------- helpers
 
     def _shared(self, page: int) -> bool:
-        return self._pool.refcount(page) > 1
+        """Whether writing into ``page`` needs a copy first: held twice, or cached."""
+        return self._pool.refcount(page) > 1 or self._pool.is_cached(page)
 
     def _copy_on_write(self, seq_id: int, index: int) -> None:
         """Gives ``seq_id`` its own copy of its shared page ``index`` (a free page is there)."""

@@ -1,8 +1,15 @@
-"""Which tokens each cache slot holds, for prefix caching on the contiguous cache.
+"""Prefix caching's hashes and counters, and the slot index of the contiguous cache.
 
-Every slot's committed token ids are kept and hashed in blocks of
-``block_size`` tokens, vLLM's scheme: the hash of block *i* chains the hash
-of block *i - 1*, so equal hashes mean equal prefixes.  A slot's records stay
+Both managers hash committed tokens in blocks the same way, vLLM's scheme
+(:func:`block_hash`): the hash of block *i* chains the hash of block *i - 1*,
+so equal hashes mean equal prefixes.  The chain of a sequence with a salt
+(vLLM's ``cache_salt``) starts from the salt's digest (:func:`root_hash`), so
+sequences with different salts never share a block, and a prompt cannot be
+probed by timing from another tenant.  The paged manager registers whole
+pages under these hashes (:class:`maxkv.page_pool.PagePool`).
+
+:class:`PrefixIndex` is the contiguous cache's side: every slot's committed
+token ids, hashed in blocks of ``block_size`` tokens.  A slot's records stay
 after the sequence is released (its KV stays in the cache) until the slot is
 reused; released slots are reused least recently released first.
 
@@ -16,7 +23,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -27,18 +37,54 @@ class PrefixCacheStats:
     lookups: int = 0
     #: Prompt tokens found in the cache (not recomputed).
     hit_tokens: int = 0
-    #: Cached blocks dropped because their released slot was reused.
+    #: Cached blocks dropped to reuse their storage (a released slot, a free page).
     evictions: int = 0
+    #: Blocks findable now: registered pages (paged), indexed blocks (contiguous).
+    cached_pages: int = 0
 
 
-def _block_hash(parent: bytes, tokens: list[int]) -> bytes:
+def root_hash(salt: str | None) -> bytes:
+    """The parent hash of a sequence's first block: empty, or the digest of its salt."""
+    if salt is None:
+        return b""
+    if not isinstance(salt, str):
+        raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+    return hashlib.blake2b(b"maxkv-cache-salt\0" + salt.encode(), digest_size=16).digest()
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of one block of token ids, chained to its ``parent`` block's hash."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(b",".join(str(t).encode() for t in tokens))
+    digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return digest.digest()
 
 
+def block_hashes(
+    tokens: Sequence[int], block_size: int, parent: bytes = b"", start: int = 0
+) -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens[start:]`` (``start`` on a block edge).
+
+    ``parent`` is the hash of the block before ``start`` (or :func:`root_hash`).
+    """
+    hashes = []
+    for begin in range(start, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[begin : begin + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixIndex:
-    """Token ids and chained block hashes per slot; an index from hash to slots."""
+    """Token ids, salt and chained block hashes per slot; an index from hash to slots."""
 
     def __init__(self, block_size: int = 16) -> None:
         if block_size < 1:
@@ -46,24 +92,36 @@ class PrefixIndex:
         self.block_size = block_size
         self.stats = PrefixCacheStats()
         self._tokens: dict[int, list[int]] = {}
+        self._salts: dict[int, str] = {}
         self._hashes: dict[int, list[bytes]] = {}
         self._slots_by_hash: dict[bytes, set[int]] = {}
         #: Released slots whose records (and KV) are kept, oldest release first.
         self._released: OrderedDict[int, None] = OrderedDict()
 
+    @property
+    def indexed_blocks(self) -> int:
+        """Blocks findable now, over all slots (live and released)."""
+        return sum(len(h) for h in self._hashes.values())
+
     def tokens(self, slot: int) -> list[int]:
         """The token ids ``slot`` holds (a copy)."""
         return list(self._tokens.get(slot, []))
+
+    def set_salt(self, slot: int, salt: str | None) -> None:
+        """``slot`` (holding nothing) starts a sequence whose blocks chain from ``salt``."""
+        assert not self._tokens.get(slot), f"slot {slot} holds tokens"
+        if salt is None:
+            self._salts.pop(slot, None)
+        else:
+            self._salts[slot] = salt
 
     def append(self, slot: int, tokens: list[int]) -> None:
         """``slot``'s sequence committed ``tokens``."""
         held = self._tokens.setdefault(slot, [])
         held.extend(tokens)
         hashes = self._hashes.setdefault(slot, [])
-        while (len(hashes) + 1) * self.block_size <= len(held):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else b""
-            block = _block_hash(parent, held[i * self.block_size : (i + 1) * self.block_size])
+        parent = hashes[-1] if hashes else root_hash(self._salts.get(slot))
+        for block in block_hashes(held, self.block_size, parent, len(hashes) * self.block_size):
             hashes.append(block)
             self._slots_by_hash.setdefault(block, set()).add(slot)
 
@@ -78,6 +136,7 @@ class PrefixIndex:
     def copy(self, source: int, destination: int, length: int) -> None:
         """``destination`` (emptied first) now holds ``source``'s first ``length`` tokens."""
         self.forget(destination)
+        self.set_salt(destination, self._salts.get(source))
         self.append(destination, self._tokens.get(source, [])[:length])
 
     def forget(self, slot: int) -> int:
@@ -86,6 +145,7 @@ class PrefixIndex:
         for block in hashes:
             self._unindex(slot, block)
         self._tokens.pop(slot, None)
+        self._salts.pop(slot, None)
         self._released.pop(slot, None)
         return len(hashes)
 
@@ -107,17 +167,20 @@ class PrefixIndex:
         """Released slots holding records, least recently released first."""
         return list(self._released)
 
-    def longest_prefix(self, prompt: list[int], candidates: set[int]) -> tuple[int | None, int]:
+    def longest_prefix(
+        self, prompt: list[int], candidates: set[int], salt: str | None = None
+    ) -> tuple[int | None, int]:
         """The slot among ``candidates`` holding the longest prefix of ``prompt``.
 
-        Returns ``(slot, tokens)``; ``(None, 0)`` when no slot shares a token.
+        Only slots whose sequence has the same ``salt`` count.  Returns
+        ``(slot, tokens)``; ``(None, 0)`` when no slot shares a token.
         """
         best: tuple[int | None, int] = (None, 0)
-        alive = set(candidates)
-        parent = b""
+        alive = {s for s in candidates if self._salts.get(s) == salt}
+        parent = root_hash(salt)
         blocks = 0
         for i in range(len(prompt) // self.block_size):
-            block = _block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+            block = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
             holders = self._slots_by_hash.get(block, set()) & alive
             if not holders:
                 break

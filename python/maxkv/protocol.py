@@ -19,12 +19,24 @@ of model forwarding (TVM's ``PagedAttentionKVCacheObj`` steps 1 to 4):
 4. ``step({seq_id: new_tokens})`` commits the tokens written since ``fetch``;
    ``release(seq_id)`` frees the sequence.
 
+A scheduler that must know before the round whether a step fits (MAX's
+``alloc``) calls ``reserve({seq_id: total_tokens})`` between steps 1 and 2:
+the room ``fetch`` would reserve, taken now; ``fetch`` then finds it there.
+
+With prefix caching (``enable_prefix_caching=True``), step 1 is
+``claim_prefix(prompt, salt=...)``: the new sequence starts holding the
+longest cached prefix of its prompt (shared pages, or rows copied into its
+slot), and step 4 records the committed token ids (``step(..., tokens=...)``)
+so that later prompts find them.
+
 Sequence operations happen between rounds: ``fork(parent, fork_pos)``
 starts a new sequence holding the parent's first ``fork_pos`` tokens;
 ``pop_n(seq_id, n)`` drops a sequence's last ``n`` tokens.
 
 Every public method validates its input and raises ``ValueError`` before it
-changes any state or runs any kernel, and holds one re-entrant lock while it
+changes any state or runs any kernel (:class:`CacheFullError`, a
+``ValueError``, when the input is fine but the cache has no room now: no free
+sequence id, too few free pages), and holds one re-entrant lock while it
 reads or changes the manager's state: the managers may be called from many
 threads.  :meth:`KVCacheManagerBase.increment_cache_lengths` only launches
 device work, so concurrent model steps are serialised on their launch only.
@@ -49,6 +61,7 @@ from . import ops as kv_ops
 from .graph import BATCH_DIM, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
 from .kernels import kernels_path
 from .params import KVCacheParams
+from .prefix_cache import PrefixCacheStats
 
 #: Per device: the four graph inputs :meth:`KVCacheManagerBase.fetch` returns.
 KVCacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
@@ -68,6 +81,11 @@ def compiled_once(session: InferenceSession, key: tuple[Any, ...], build: Any) -
         if key not in models:
             models[key] = session.load(build())
         return models[key]
+
+
+class CacheFullError(ValueError):
+    """The request is valid but the cache has no room for it now (no free
+    sequence id, too few free pages): retry after a release."""
 
 
 def require_int(name: str, value: object, minimum: int) -> int:
@@ -132,6 +150,8 @@ class KVCacheManagerBase(ABC):
         self._lengths: dict[int, int] = {}
         self._increment_model: Model | None = None
         self._copy_model: Model | None = None
+        #: Lookups and hit tokens of prefix caching (evictions: the storage's).
+        self._prefix_stats = PrefixCacheStats()
 
     # ------------------------------------------------------- storage hooks
 
@@ -170,6 +190,24 @@ class KVCacheManagerBase(ABC):
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
         """``child`` (claimed, empty) now holds ``parent``'s first ``fork_pos`` tokens."""
 
+    # Prefix caching (called only when :attr:`prefix_caching` is on).
+
+    def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
+        """Tokens of ``tokens[:-1]`` the cache holds now, as a claim would reuse them."""
+        raise NotImplementedError
+
+    def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
+        """Claims an id holding the longest cached prefix of ``tokens[:-1]``;
+        ``(seq_id, cached tokens)``.  A free id exists."""
+        raise NotImplementedError
+
+    def _storage_prefix_counters(self) -> tuple[int, int]:
+        """(evictions so far, blocks findable now)."""
+        raise NotImplementedError
+
+    def _storage_reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
     @abstractmethod
     def input_symbols(self) -> list[KVCacheInputSymbols]:
         """Graph input types of :meth:`fetch`'s 4-tuples, one tuple per device."""
@@ -179,6 +217,11 @@ class KVCacheManagerBase(ABC):
         self,
     ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
         """What turns one device's :meth:`fetch` inputs into the collection inside a graph."""
+
+    def _storage_room(self, seq_id: int) -> int:
+        """Tokens ``seq_id``'s storage has room for now (a slot: ``max_seq_len``)."""
+        del seq_id
+        return self.max_seq_len
 
     def storage_units(self, tokens: int) -> int:
         """Storage units (pages) a sequence of ``tokens`` tokens takes beyond its id;
@@ -204,6 +247,99 @@ class KVCacheManagerBase(ABC):
         with self._lock:
             return seq_id in self._lengths
 
+    # ------------------------------------------------------- prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (``enable_prefix_caching=True``)."""
+        return False
+
+    @property
+    def prefix_block_size(self) -> int:
+        """Tokens per hashed block: a prefix is reused in whole blocks (pages)."""
+        raise ValueError("prefix caching is not enabled (enable_prefix_caching=True)")
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups, hit tokens, evictions and cached blocks so far (a copy).
+
+        Raises:
+            ValueError: If prefix caching is off.
+        """
+        with self._lock:
+            self._require_prefix_caching("prefix_cache_stats")
+            evictions, cached = self._storage_prefix_counters()
+            s = self._prefix_stats
+            return PrefixCacheStats(s.lookups, s.hit_tokens, evictions, cached)
+
+    def cached_prefix_length(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
+        """Tokens of ``prompt`` that :meth:`claim_prefix` would reuse now (no change).
+
+        Raises:
+            ValueError: If prefix caching is off or the prompt is not a
+                non-empty sequence of token ids.
+        """
+        with self._lock:
+            self._require_prefix_caching("cached_prefix_length")
+            return self._storage_find_prefix(self._prompt(prompt), _salt(salt))
+
+    def claim_prefix(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
+        """Protocol step 1 with prefix caching: claims a sequence for ``prompt``.
+
+        The new sequence starts holding the longest prefix of ``prompt`` the
+        cache holds (at most ``len(prompt) - 1`` tokens, so at least one token
+        is left to compute; in whole pages on a paged cache), reused from a
+        sequence whose ``salt`` is the same (``None`` matches ``None``).
+        Prefill ``prompt[cached:]`` next.
+
+        Returns:
+            ``(seq_id, cached)``: the id and the prompt tokens already cached.
+
+        Raises:
+            ValueError: If prefix caching is off, the prompt is empty, not
+                token ids, or longer than ``max_seq_len``, or ``salt`` is not
+                a str; :class:`CacheFullError` if no sequence can be claimed.
+        """
+        with self._lock:
+            self._require_prefix_caching("claim_prefix")
+            tokens = self._prompt(prompt)
+            salt = _salt(salt)
+            if len(tokens) > self.max_seq_len:
+                raise ValueError(
+                    f"prompt of {len(tokens)} tokens is longer than max_seq_len {self.max_seq_len}"
+                )
+            if self._free_ids() == 0:
+                raise CacheFullError(
+                    f"cannot claim: all {self.max_batch_size} {self._id_noun} are in use"
+                )
+            seq_id, cached = self._storage_claim_prefix(tokens, salt)
+            self._lengths[seq_id] = cached
+            self._prefix_stats.lookups += 1
+            self._prefix_stats.hit_tokens += cached
+            return seq_id, cached
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes (no later claim reuses them); sequences keep their KV.
+
+        Raises:
+            ValueError: If prefix caching is off.
+        """
+        with self._lock:
+            self._require_prefix_caching("reset_prefix_cache")
+            self._storage_reset_prefix_cache()
+
+    def _require_prefix_caching(self, what: str) -> None:
+        if not self.prefix_caching:
+            raise ValueError(f"{what} needs enable_prefix_caching=True (prefix caching is off)")
+
+    def _prompt(self, prompt: Sequence[int]) -> list[int]:
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+        tokens = [require_int("prompt token", t, 0) for t in prompt]
+        if not tokens:
+            raise ValueError("prompt must not be empty")
+        return tokens
+
     # ------------------------------------------------------------ protocol
 
     def claim(self, n: int) -> list[int]:
@@ -217,7 +353,7 @@ class KVCacheManagerBase(ABC):
             count = require_int("n", n, 1)
             free = self._free_ids()
             if count > free:
-                raise ValueError(
+                raise CacheFullError(
                     f"cannot claim {count} sequences: only {free} of {self.max_batch_size} "
                     f"{self._id_noun} are free"
                 )
@@ -238,6 +374,39 @@ class KVCacheManagerBase(ABC):
             self._storage_claim_ids(ids)
             for seq_id in ids:
                 self._lengths[seq_id] = 0
+
+    def reserve(self, totals: Mapping[int, int]) -> None:
+        """Between protocol steps 1 and 2: room for each sequence to hold ``totals[seq_id]`` tokens.
+
+        What :meth:`fetch` reserves for its round (pages on a paged cache,
+        with copy-on-write of any shared page those tokens land in), taken
+        ahead so that a scheduler learns now whether the step fits; a later
+        ``fetch`` within these totals needs nothing more.  A contiguous slot
+        always has room up to ``max_seq_len``.
+
+        Raises:
+            ValueError: On an unknown id, a total below the sequence's
+                committed length or past ``max_seq_len``;
+                :class:`CacheFullError` when too few pages are free.
+                Nothing is reserved then.
+        """
+        if not isinstance(totals, Mapping):
+            raise ValueError(
+                f"totals must be a mapping {{seq_id: tokens}}, got {type(totals).__name__}"
+            )
+        with self._lock:
+            ids = self._validate_ids(list(totals), must_be_claimed=True, allow_empty=True)
+            wanted = []
+            for seq_id in ids:
+                total = require_int(f"totals[{seq_id}]", totals[seq_id], 0)
+                if total < self._lengths[seq_id] or total > self.max_seq_len:
+                    raise ValueError(
+                        f"seq_id {seq_id}: a total of {total} tokens is outside "
+                        f"[{self._lengths[seq_id]} committed, max_seq_len {self.max_seq_len}]"
+                    )
+                wanted.append(total)
+            if ids:
+                self._storage_reserve(ids, wanted)
 
     def fetch(
         self,
@@ -360,9 +529,10 @@ class KVCacheManagerBase(ABC):
 
         Args:
             valid_lengths: ``{seq_id: new_tokens}``.
-            tokens: ``{seq_id: token ids}`` of those tokens, for managers that
-                record them (prefix caching); each list must hold exactly
-                ``valid_lengths[seq_id]`` ids.
+            tokens: ``{seq_id: token ids}`` of those tokens; required for
+                every sequence that commits tokens when prefix caching is on
+                (which records them), ignored otherwise.  Each list must hold
+                exactly ``valid_lengths[seq_id]`` ids.
 
         Raises:
             ValueError: If an id is not claimed, a count is negative, a
@@ -374,6 +544,12 @@ class KVCacheManagerBase(ABC):
                 f"valid_lengths must be a mapping {{seq_id: new_tokens}}, got "
                 f"{type(valid_lengths).__name__}"
             )
+        if self.prefix_caching:
+            missing = [s for s, n in valid_lengths.items() if n and s not in (tokens or {})]
+            if missing:
+                raise ValueError(
+                    f"prefix caching records committed tokens: pass tokens= for seq_ids {missing}"
+                )
         with self._lock:
             self._validate_ids(list(valid_lengths), must_be_claimed=True, allow_empty=True)
             counts = {}
@@ -384,6 +560,12 @@ class KVCacheManagerBase(ABC):
                     raise ValueError(
                         f"seq_id {seq_id}: {self._lengths[seq_id]} cached + {count} new tokens "
                         f"= {total} > max_seq_len {self.max_seq_len}"
+                    )
+                if total > self._storage_room(seq_id):
+                    raise ValueError(
+                        f"seq_id {seq_id}: {self._lengths[seq_id]} cached + {count} new tokens "
+                        f"= {total}, past the {self._storage_room(seq_id)} reserved for it "
+                        "(fetch or reserve the step first)"
                     )
                 counts[seq_id] = count
             token_lists = self._validate_tokens(counts, tokens)
@@ -430,7 +612,7 @@ class KVCacheManagerBase(ABC):
                     f"fork_pos {pos} is past seq_id {parent}'s {length} committed tokens"
                 )
             if self._free_ids() == 0:
-                raise ValueError(f"cannot fork seq_id {parent}: no sequence can be claimed")
+                raise CacheFullError(f"cannot fork seq_id {parent}: no sequence can be claimed")
             (child,) = self._storage_claim(1)
             self._lengths[child] = 0
             try:
@@ -622,6 +804,12 @@ def validate_sizes(
         )
     if max_seq_len >= 2**32:
         raise ValueError(f"max_seq_len must fit in uint32, got {max_seq_len}")
+
+
+def _salt(salt: object) -> str | None:
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
+    return salt
 
 
 def _row_offsets(prev_model_inputs: Any) -> Buffer:

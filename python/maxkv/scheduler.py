@@ -40,6 +40,7 @@ import numpy as np
 from max.driver import Buffer
 
 from .models.llama import LlamaModel
+from .prefix_cache import common_prefix_length
 from .protocol import KVCacheManagerBase
 
 
@@ -169,7 +170,7 @@ class ContinuousBatchingScheduler:
         self.sampling = getattr(model, "output", "tokens") == "logits"
         self.num_steps = 1 if self.sampling else num_steps
         self.eos = set(model.config.eos_token_ids) if stop_at_eos else set()
-        self.prefix_caching = bool(getattr(manager, "prefix_caching", False))
+        self.prefix_caching = manager.prefix_caching
         if self.num_steps > 1 or self.prefix_caching:
             manager.warm_up()  # plan once: keep compiles out of the decode loop
         self._waiting: deque[Request] = deque()
@@ -326,7 +327,7 @@ class ContinuousBatchingScheduler:
             request.reserved_units = units
             self._waiting.popleft()
             if self.prefix_caching:
-                seq_id, cached = self.manager.claim_prefix(request.prompt)  # type: ignore[attr-defined]
+                seq_id, cached = self.manager.claim_prefix(request.prompt)
                 request.seq_id, request.cached_tokens = seq_id, cached
                 request.pending = request.prompt[cached:]
                 stats.prefix_cache_hit_tokens += cached
@@ -337,10 +338,10 @@ class ContinuousBatchingScheduler:
         return new
 
     def _shares_uncached_prefix(self, request: Request, admitted: list[Request]) -> bool:
-        cached = self.manager.cached_prefix_length(request.prompt)  # type: ignore[attr-defined]
-        block = self.manager.prefix_block_size  # type: ignore[attr-defined]
+        cached = self.manager.cached_prefix_length(request.prompt)
+        block = self.manager.prefix_block_size
         for other in admitted:
-            shared = _common_prefix(request.prompt, other.prompt)
+            shared = common_prefix_length(request.prompt, other.prompt)
             if shared - cached >= block:
                 return True
         return False
@@ -450,15 +451,6 @@ class ContinuousBatchingScheduler:
             assert request.rng is not None
             chosen[row] = int(request.rng.choice(len(probs), p=probs))
         return chosen
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _seq_id(request: Request) -> int:

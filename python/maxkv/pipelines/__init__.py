@@ -2,8 +2,10 @@
 
 A MAX *custom architecture*: pass :data:`CUSTOM_ARCHITECTURES` to
 ``--custom-architectures`` and Llama checkpoints (``LlamaForCausalLM``) run on
-maxkv's graph and continuous-batching cache inside MAX's own pipeline,
-tokenizer, sampler and schedulers::
+maxkv's graph and cache inside MAX's own pipeline, tokenizer, sampler and
+schedulers (chunked prefill and preemption included).  The cache is paged with
+prefix caching by page sharing unless ``MAXKV_CACHE=contiguous``
+(:data:`CACHE_ENV`, see :mod:`maxkv.pipelines.model`)::
 
     MAXKV_ARCH=$(python -c "import maxkv.pipelines as p; print(p.CUSTOM_ARCHITECTURES)")
     max generate --custom-architectures "$MAXKV_ARCH" --model-path DIR --devices cpu \\
@@ -22,9 +24,18 @@ from ._compat import SUPPORTED_MAX, UnsupportedMaxVersionError, check_max_versio
 
 check_max_version()
 
+from .api import refuse_unsupported_requests  # noqa: E402
 from .architecture import ARCHITECTURES, MaxkvTextGenerationPipeline  # noqa: E402
 from .kv_adapter import MaxkvKVManager  # noqa: E402
-from .model import CacheDoesNotFitError, MaxkvLlamaPipelineModel  # noqa: E402
+from .model import (  # noqa: E402
+    CACHE_ENV,
+    CACHE_KINDS,
+    CacheDoesNotFitError,
+    MaxkvLlamaPipelineModel,
+    cache_kind,
+)
+
+refuse_unsupported_requests()
 
 #: The value of ``--custom-architectures`` for this installation of maxkv:
 #: ``<folder holding the maxkv package>:maxkv.pipelines``.
@@ -32,6 +43,8 @@ CUSTOM_ARCHITECTURES = f"{Path(__file__).resolve().parents[2]}:maxkv.pipelines"
 
 __all__ = [
     "ARCHITECTURES",
+    "CACHE_ENV",
+    "CACHE_KINDS",
     "CUSTOM_ARCHITECTURES",
     "SUPPORTED_MAX",
     "CacheDoesNotFitError",
@@ -39,5 +52,7 @@ __all__ = [
     "MaxkvLlamaPipelineModel",
     "MaxkvTextGenerationPipeline",
     "UnsupportedMaxVersionError",
+    "cache_kind",
     "check_max_version",
+    "refuse_unsupported_requests",
 ]

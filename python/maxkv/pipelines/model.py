@@ -2,15 +2,30 @@
 
 The model graph is :func:`maxkv.models.llama.build_llama_graph` (the same
 code the demo runs) with ``output="logits"``: the float32 logits of each
-sequence's last token, which MAX's sampler turns into the next token.  The
-cache is a :class:`~maxkv.ContinuousBatchingKVCacheManager` with one slot
-per ``--max-batch-size`` and ``--max-length`` tokens per slot; its inputs
-reach the graph through :class:`~maxkv.pipelines.kv_adapter.MaxkvKVManager`.
+sequence's last token, which MAX's sampler turns into the next token (and
+MAX's log-probability graph into ``logprobs``).  The cache is chosen by the
+environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
+
+- ``paged`` (default): a :class:`~maxkv.PagedKVCacheManager` with as many
+  pages as MAX's memory plan gives the KV cache; prefix caching by page
+  sharing follows MAX's ``--enable-prefix-caching`` (on by default).  Pages
+  hold :func:`tokens_per_page` tokens: ``MAXKV_PAGE_SIZE`` if set, else MAX's
+  ``--kv-cache-page-size`` if it is not MAX's default of 128, else 16.  A
+  prefix is reused in whole pages, and MAX's 128 (sized for GPUs) would
+  recompute up to 127 tokens of every shared system prompt.
+- ``contiguous``: a :class:`~maxkv.ContinuousBatchingKVCacheManager` with one
+  slot of ``--max-length`` tokens per ``--max-batch-size``; with prefix
+  caching, cached rows are copied into a request's slot.
+
+Its inputs reach the graph through
+:class:`~maxkv.pipelines.kv_adapter.MaxkvKVManager`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +38,45 @@ from max.nn.transformer import ReturnLogits
 from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.context import TextContext
 from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
+from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from ..manager import ContinuousBatchingKVCacheManager
 from ..models.gguf_file import read_gguf_quantized
 from ..models.llama import LlamaModel, cache_params
 from ..models.loading import load_llama, model_file
+from ..paged_manager import PagedKVCacheManager
+from ..params import KVCacheParams
+from ..protocol import KVCacheManagerBase
 
-logger = logging.getLogger("maxkv.pipelines")
+#: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
+logger = logging.getLogger("max.pipelines.maxkv")
+
+#: The environment variable that chooses maxkv's cache in MAX's pipelines.
+CACHE_ENV = "MAXKV_CACHE"
+#: Its values; the first is the default.
+CACHE_KINDS = ("paged", "contiguous")
+#: The environment variable that sets the tokens per page of the paged cache.
+PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
+#: Tokens per page unless set (vLLM's default block size).
+DEFAULT_PAGE_SIZE = 16
+#: MAX 26.7's default ``--kv-cache-page-size``.
+MAX_DEFAULT_PAGE_SIZE = 128
 
 
 class CacheDoesNotFitError(ValueError):
-    """maxkv's contiguous cache for ``--max-batch-size`` x ``--max-length`` does not fit."""
+    """maxkv's cache does not fit the memory MAX's plan leaves for the KV cache."""
+
+
+def cache_kind() -> str:
+    """The cache :data:`CACHE_ENV` asks for (default ``paged``).
+
+    Raises:
+        ValueError: If it names no kind of :data:`CACHE_KINDS`.
+    """
+    kind = os.environ.get(CACHE_ENV, CACHE_KINDS[0]).strip().lower() or CACHE_KINDS[0]
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"{CACHE_ENV}={kind!r}: expected one of {', '.join(CACHE_KINDS)}")
+    return kind
 
 
 @dataclass(kw_only=True)
@@ -51,13 +94,14 @@ class MaxkvLlamaInputs(ModelInputs):
         return (self.tokens, self.input_row_offsets, *kv)
 
 
-class MaxkvLlamaPipelineModel(PipelineModelWithKVCache):
+class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
     """A Llama checkpoint on maxkv's graph and cache, for MAX's text-generation pipeline.
 
     Reads the checkpoint at ``--model-path`` with maxkv's loader (a Hugging
     Face directory with safetensors, or a GGUF file in the directory), runs
     float32 on one device, and returns the last token's logits of each
-    sequence (MAX samples from them).
+    sequence (MAX samples from them; MAX's ``LogProbabilitiesMixin`` turns
+    them into ``logprobs``).
     """
 
     #: MAX's Llama configuration drives the memory plan and ``kv_params``.
@@ -80,34 +124,25 @@ class MaxkvLlamaPipelineModel(PipelineModelWithKVCache):
         config, weights = load_llama(path)
         self.config = config
         params = cache_params(config)
-        slots, max_seq_len = self.max_batch_size, self.max_seq_len
-        check_cache_fits(
-            ContinuousBatchingKVCacheManager.estimated_memory_size(
-                params, slots, max_seq_len, config.num_hidden_layers, self.devices
-            ),
-            self.memory_plan.available_cache_memory,
-            slots,
-            max_seq_len,
-        )
         session = self._session(args, kwargs)
-        self.maxkv_manager = ContinuousBatchingKVCacheManager(
-            params, slots, max_seq_len, config.num_hidden_layers, self.devices, session
+        self.maxkv_manager = build_manager(
+            cache_kind(),
+            params,
+            config.num_hidden_layers,
+            self.devices,
+            session,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            page_size=tokens_per_page(self.kv_cache_config.kv_cache_page_size),
+            prefix_caching=self.kv_cache_config.enable_prefix_caching,
+            available=self.memory_plan.available_cache_memory,
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
         self.llama = LlamaModel(
             config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
         )
-        logger.info(
-            "maxkv: %s, %d slots x %d tokens (%.1f MiB of cache)",
-            path,
-            slots,
-            max_seq_len,
-            self.maxkv_manager.estimated_memory_size(
-                params, slots, max_seq_len, config.num_hidden_layers, self.devices
-            )
-            / 2**20,
-        )
+        logger.info("maxkv: %s, %s", path, describe(self.maxkv_manager))
 
     @staticmethod
     def _session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -158,8 +193,124 @@ def checkpoint_path(pipeline_config: Any) -> Path:
     return Path(model.model_path)
 
 
+def tokens_per_page(kv_cache_page_size: int) -> int:
+    """Tokens per page: :data:`PAGE_SIZE_ENV` if set, else ``--kv-cache-page-size``
+    unless it is MAX's default (which cannot be told from a flag left unset),
+    else :data:`DEFAULT_PAGE_SIZE`.
+
+    Raises:
+        ValueError: If :data:`PAGE_SIZE_ENV` is not a positive int.
+    """
+    value = os.environ.get(PAGE_SIZE_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{PAGE_SIZE_ENV}={value!r}: expected a positive number of tokens")
+        return int(value)
+    if kv_cache_page_size != MAX_DEFAULT_PAGE_SIZE:
+        return kv_cache_page_size
+    return DEFAULT_PAGE_SIZE
+
+
+def build_manager(
+    kind: str,
+    params: KVCacheParams,
+    num_layers: int,
+    devices: list[Any],
+    session: Any,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    page_size: int,
+    prefix_caching: bool,
+    available: int | None,
+) -> KVCacheManagerBase:
+    """maxkv's manager of ``kind`` for MAX's settings.
+
+    Paged: as many pages of ``page_size`` tokens as ``available`` bytes hold
+    (MAX's memory plan for the KV cache; ``None``: enough for every
+    sequence at ``max_seq_len``), and ``2 * max_batch_size`` sequence ids
+    (ids cost nothing; pages bound the cache).  Contiguous: ``max_batch_size``
+    slots of ``max_seq_len`` tokens.
+
+    Raises:
+        CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
+            sequence) needs more than ``available`` bytes.
+    """
+    if kind == "paged":
+        per_page = PagedKVCacheManager.estimated_memory_size(
+            params, page_size, 1, num_layers, devices
+        )
+        pages_per_seq = math.ceil(max_seq_len / page_size)
+        num_pages = max_batch_size * pages_per_seq if available is None else available // per_page
+        if num_pages < pages_per_seq:
+            raise CacheDoesNotFitError(
+                f"maxkv's paged KV cache needs at least {pages_per_seq} pages of {page_size} "
+                f"tokens ({pages_per_seq * per_page / 2**30:.2f} GiB) for one --max-length "
+                f"{max_seq_len} sequence, but the memory plan leaves "
+                f"{(available or 0) / 2**30:.2f} GiB for the KV cache: lower --max-length or "
+                "--kv-cache-page-size"
+            )
+        return PagedKVCacheManager(
+            params,
+            page_size,
+            num_pages,
+            2 * max_batch_size,
+            max_seq_len,
+            num_layers,
+            devices,
+            session,
+            enable_prefix_caching=prefix_caching,
+        )
+    check_cache_fits(
+        ContinuousBatchingKVCacheManager.estimated_memory_size(
+            params, max_batch_size, max_seq_len, num_layers, devices
+        ),
+        available,
+        max_batch_size,
+        max_seq_len,
+    )
+    return ContinuousBatchingKVCacheManager(
+        params,
+        max_batch_size,
+        max_seq_len,
+        num_layers,
+        devices,
+        session,
+        enable_prefix_caching=prefix_caching,
+    )
+
+
+def describe(manager: KVCacheManagerBase) -> str:
+    """One line on the cache, for the log."""
+    prefix = "prefix caching on" if manager.prefix_caching else "prefix caching off"
+    if isinstance(manager, PagedKVCacheManager):
+        size = manager.estimated_memory_size(
+            manager.params,
+            manager.page_size,
+            manager.num_pages,
+            manager.num_layers,
+            manager.devices,
+        )
+        return (
+            f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
+            f"({size / 2**20:.1f} MiB), {prefix}"
+        )
+    assert isinstance(manager, ContinuousBatchingKVCacheManager)
+    size = manager.estimated_memory_size(
+        manager.params,
+        manager.max_cache_batch_size,
+        manager.max_seq_len,
+        manager.num_layers,
+        manager.devices,
+    )
+    return (
+        f"contiguous cache: {manager.max_cache_batch_size} slots x {manager.max_seq_len} tokens "
+        f"({size / 2**20:.1f} MiB), {prefix}"
+    )
+
+
 def check_cache_fits(needed: int, available: int | None, slots: int, max_seq_len: int) -> None:
-    """Raises :class:`CacheDoesNotFitError` when maxkv's cache exceeds the memory plan."""
+    """Raises :class:`CacheDoesNotFitError` when the contiguous cache exceeds the memory plan."""
     if available is not None and needed > available:
         raise CacheDoesNotFitError(
             f"maxkv's contiguous KV cache of {slots} slots x {max_seq_len} tokens "
