@@ -576,7 +576,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["workload"], r["concurrency"]) for r in runs}, key=lambda g: (g[1], g[0]))
+    groups = sorted(
+        {(r["workload"], r["concurrency"]) for r in runs},
+        key=lambda g: (g[1], WORKLOADS.index(g[0])),
+    )
     labels = [f"{w}\nC={c}" for w, c in groups]
     metrics = [
         ("tokens_per_s", None, "output tokens/s (higher is better)"),

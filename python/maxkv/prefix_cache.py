@@ -47,8 +47,6 @@ def root_hash(salt: str | None) -> bytes:
     """The parent hash of a sequence's first block: empty, or the digest of its salt."""
     if salt is None:
         return b""
-    if not isinstance(salt, str):
-        raise ValueError(f"salt must be a str or None, got {type(salt).__name__}")
     return hashlib.blake2b(b"maxkv-cache-salt\0" + salt.encode(), digest_size=16).digest()
 
 

@@ -14,16 +14,21 @@ import numpy as np
 def machine_info(device: str) -> dict[str, Any]:
     """Where the numbers came from."""
     cpu = platform.processor()
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
+    cpu = fields.get("model name", cpu)
+    flags = set(fields.get("flags", "").split())
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "cpu": cpu,
+        "cpu_family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
+        "isa": isa,
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "max": version("max"),
