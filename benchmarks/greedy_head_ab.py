@@ -5,7 +5,7 @@ tokens, no early stop); repeats alternate between them and the first is a
 warm-up.  Prints tokens/s per batch size, their ratio and whether the tokens
 are identical, and writes them as JSON with ``--json``.
 
-    python benchmarks/greedy_head_ab.py --json benchmarks/results/cpu_greedy_head.json
+    python benchmarks/greedy_head_ab.py --json benchmarks/results/greedy_head_avx512.json
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
+from maxkv_bench.real import QUESTIONS
 
-from maxkv.bench.real import QUESTIONS
-from maxkv.manager import ContinuousBatchingKVCacheManager
+from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models.llama import LlamaModel, cache_params
 from maxkv.models.resolve import open_model
-from maxkv.scheduler import ContinuousBatchingScheduler
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 
 def main() -> None:

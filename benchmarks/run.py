@@ -21,13 +21,12 @@ from typing import Any
 
 from max.driver import CPU, Accelerator, Device, accelerator_count
 from max.engine import InferenceSession
-
-from maxkv.bench.attention import bench_attention_decode
-from maxkv.bench.end_to_end import end_to_end
-from maxkv.bench.machine import matmul_gflops, read_bandwidth_gbps
-from maxkv.bench.memory import memory_footprint
-from maxkv.bench.overhead import max_paged_step_overhead_us, maxkv_step_overhead_us
-from maxkv.bench.report import machine_info, plot, print_summary
+from maxkv_bench.attention import bench_attention_decode
+from maxkv_bench.end_to_end import end_to_end
+from maxkv_bench.machine import matmul_gflops, read_bandwidth_gbps
+from maxkv_bench.memory import memory_footprint
+from maxkv_bench.overhead import max_paged_step_overhead_us, maxkv_step_overhead_us
+from maxkv_bench.report import machine_info, plot, print_summary
 
 SECTIONS = (
     "attention_decode",
@@ -143,7 +142,7 @@ def main() -> int:
 def _end_to_end_real(
     session: InferenceSession, device: Device, machine: dict[str, Any], quick: bool
 ) -> Any:
-    from maxkv.bench.real import end_to_end_real
+    from maxkv_bench.real import end_to_end_real
 
     return end_to_end_real(
         session,
@@ -157,8 +156,9 @@ def _end_to_end_real(
 
 
 def _profile(session: InferenceSession, device: Device, quick: bool) -> Any:
-    from maxkv.bench.profile import profile_decode_step
-    from maxkv.bench.real import QUESTIONS
+    from maxkv_bench.profile import profile_decode_step
+    from maxkv_bench.real import QUESTIONS
+
     from maxkv.models.resolve import open_model
 
     model = open_model("smollm2-135m")
@@ -175,21 +175,24 @@ def _profile(session: InferenceSession, device: Device, quick: bool) -> Any:
 
 
 def _matmul_dtypes(session: InferenceSession, device: Device) -> Any:
-    from maxkv.bench.profile import matmul_dtypes
+    from maxkv_bench.profile import matmul_dtypes
+
     from maxkv.models.resolve import open_model
 
     return matmul_dtypes(session, device, open_model("smollm2-135m").config, [8, 32])
 
 
 def _sequence_ops(session: InferenceSession, device: Device, quick: bool) -> Any:
-    from maxkv.bench.sequence_ops import sequence_ops_bench
+    from maxkv_bench.sequence_ops import sequence_ops_bench
+
     from maxkv.models.resolve import open_model
 
     return sequence_ops_bench(session, device, open_model("smollm2-135m"), quick=quick)
 
 
 def _paged(session: InferenceSession, device: Device, quick: bool) -> Any:
-    from maxkv.bench.paged import paged_bench
+    from maxkv_bench.paged import paged_bench
+
     from maxkv.models.resolve import open_model
 
     return paged_bench(session, device, open_model("smollm2-135m"), quick=quick)

@@ -1,7 +1,7 @@
 """``max serve`` on maxkv against ``max serve`` on MAX's own Llama pipeline, under load.
 
-    python benchmarks/serve.py --json benchmarks/results/serve_cpu.json \\
-        --plot benchmarks/results/serve_cpu.png
+    python benchmarks/serve.py --json benchmarks/results/serve_avx512.json \\
+        --plot benchmarks/results/serve_avx512.png
 
 For each concurrency C (default 16 and 32) and each side, one server is
 started (same model directory, same flags: ``--max-batch-size C --max-length
@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_directory(args.model)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="maxkv_serve_"))
     logs.mkdir(parents=True, exist_ok=True)
-    from maxkv.bench.report import machine_info
+    from maxkv_bench.report import machine_info
 
     runs: list[dict[str, Any]] = []
     started = time.time()

@@ -30,13 +30,13 @@ from max.engine import InferenceSession
 from tqdm import tqdm
 
 from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.models import KNOWN_MODELS, LlamaModel, ModelFetchError, ModelLoadError
 from maxkv.models.hf import hf_from_pretrained, hf_generate, hf_llama, transformers_available
 from maxkv.models.llama import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.models.resolve import DEFAULT_MODEL, TINY, LoadedModel, open_model
-from maxkv.protocol import KVCacheManagerBase
-from maxkv.scheduler import ContinuousBatchingScheduler, positions_needed
+from maxkv.serving.scheduler import ContinuousBatchingScheduler, positions_needed
 
 #: Short, varied questions SmolLM2-135M-Instruct answers sensibly.
 DEFAULT_QUESTIONS = [

@@ -1,3 +1,4 @@
-# maxkv Mojo custom ops: the continuous-batching KV cache collection and the
-# kernels that consume it.  Load this folder (or the `.mojoc` built from it by
-# `maxkv.kernels_path()`) as a MAX graph `custom_extensions` entry.
+# maxkv's Mojo custom ops, loaded as one MAX graph `custom_extensions` entry (this
+# folder, or the `.mojoc` built from it by `maxkv.kernels_path()`):
+#   kv/   the opaque KV-cache collections and the ops over them;
+#   cpu/  the CPU kernels of maxkv's model graph.

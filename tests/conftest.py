@@ -2,6 +2,17 @@
 
 Graph compilation dominates the suite's time, so every compiled model is
 session-scoped and keyed by the configuration that changes its code.
+
+Every test carries exactly one tier marker (checked at collection):
+
+- ``unit``: no MAX session and no compile: managers' bookkeeping on a NumPy
+  device layer (``tests/fakes.py``), pools, prefix index, parsers, checks;
+- ``compile``: builds and runs MAX graphs on small shapes;
+- ``model``: needs SmolLM2-135M-Instruct (fetched from PyPI once);
+- ``serve``: starts ``max generate`` / ``max serve`` processes;
+- ``gpu``: needs a GPU (skipped without one).
+
+``pytest -m unit`` is the fast tier; the README's command runs them all.
 """
 
 from __future__ import annotations
@@ -19,15 +30,45 @@ from max.graph import Graph
 
 import maxkv
 from maxkv import (
+    CacheSpec,
     ContinuousBatchingKVCacheManager,
     FetchContinuousBatchingKVCacheCollection,
     KVCacheParams,
 )
+from maxkv.cache.protocol import CacheDevice
 from maxkv.models import LlamaModel
 from maxkv.models.resolve import LoadedModel
 
 #: What the reliability tests exercised; printed in pytest's terminal summary.
 RELIABILITY_COUNTS: Counter[str] = Counter()
+
+
+#: The tiers, cheapest first; every test is marked with one.
+TIERS = ("unit", "compile", "model", "serve", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test carries exactly one tier marker; GPU tests skip without a GPU."""
+    bad = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            bad.append(f"{item.nodeid}: {tiers or 'no tier'}")
+        if tiers == ["gpu"] and not _has_gpu():
+            item.add_marker(pytest.mark.skip(reason="needs a GPU visible to MAX"))
+    if bad:
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker of "
+            + ", ".join(TIERS)
+            + ":\n"
+            + "\n".join(bad)
+        )
+
+
+def _has_gpu() -> bool:
+    from max.driver import accelerator_count
+
+    return bool(accelerator_count())
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -73,10 +114,8 @@ def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> LlamaModel
     from maxkv.models.llama import cache_params
 
     config = smollm2.config
-    manager = ContinuousBatchingKVCacheManager(
-        cache_params(config), 1, 16, config.num_hidden_layers, [CPU()], session
-    )
-    return LlamaModel(config, smollm2.weights, manager, session, quantized=smollm2.quantized)
+    spec = CacheSpec(cache_params(config), config.num_hidden_layers)  # no cache needed
+    return LlamaModel(config, smollm2.weights, spec, session, quantized=smollm2.quantized)
 
 
 def smollm2_manager(
@@ -120,7 +159,9 @@ class CacheConfig:
     def params(self) -> KVCacheParams:
         return KVCacheParams(self.dtype, self.n_kv_heads, self.head_dim)
 
-    def manager(self, session: InferenceSession) -> ContinuousBatchingKVCacheManager:
+    def manager(
+        self, session: InferenceSession | None, cache_device: CacheDevice | None = None
+    ) -> ContinuousBatchingKVCacheManager:
         return ContinuousBatchingKVCacheManager(
             self.params,
             self.max_cache_batch_size,
@@ -130,11 +171,27 @@ class CacheConfig:
             session,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_block_size=self.prefix_block_size,
+            cache_device=cache_device,
         )
 
 
 @pytest.fixture
-def make_manager(session: InferenceSession) -> Callable[..., ContinuousBatchingKVCacheManager]:
+def make_manager() -> Callable[..., ContinuousBatchingKVCacheManager]:
+    """Contiguous managers on the NumPy device layer (``unit`` tests)."""
+    from .fakes import NumpyCacheDevice
+
+    def make(**overrides: object) -> ContinuousBatchingKVCacheManager:
+        return CacheConfig(**overrides).manager(None, NumpyCacheDevice())  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def make_device_manager(
+    session: InferenceSession,
+) -> Callable[..., ContinuousBatchingKVCacheManager]:
+    """Contiguous managers on MAX's device layer (``compile`` tests: real copies)."""
+
     def make(**overrides: object) -> ContinuousBatchingKVCacheManager:
         return CacheConfig(**overrides).manager(session)  # type: ignore[arg-type]
 

@@ -1,7 +1,7 @@
-"""Host arrays handed to MAX start on a cache line (maxkv.arrays).
+"""Host arrays handed to MAX start on a cache line (maxkv.cpu.arrays).
 
 MAX passes a NumPy graph weight to the kernels where it lies (checked in
-maxkv.arrays' docstring), and NumPy aligns large arrays to 16 bytes only.
+maxkv.cpu.arrays' docstring), and NumPy aligns large arrays to 16 bytes only.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maxkv.arrays import ALIGNMENT, aligned, aligned_zeros, is_aligned
+from maxkv.cpu.arrays import ALIGNMENT, aligned, aligned_zeros, is_aligned
 from maxkv.models.config import default_llama
 from maxkv.models.llama import graph_weights
+
+pytestmark = pytest.mark.unit
 
 
 def _misaligned(shape: tuple[int, ...]) -> np.ndarray:

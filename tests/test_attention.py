@@ -25,11 +25,12 @@ from maxkv import (
     KVCacheParams,
 )
 from maxkv import ops as kvops
-from maxkv.protocol import KVCacheManagerBase
+from maxkv.cache.protocol import KVCacheManagerBase
 
 from .reference import ReferenceLayerCache
 
 pytestmark = pytest.mark.compile
+
 
 CPU_REF = DeviceRef.CPU()
 THETA = 10000.0

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------- no compiles
 
 
+@pytest.mark.unit
 def test_metrics() -> None:
     assert token_f1([1, 2, 3], [1, 2, 3]) == 1.0
     assert token_f1([1, 2], [3, 4]) == 0.0
@@ -43,6 +44,7 @@ def test_metrics() -> None:
     assert rouge_l([], []) == 1.0 and rouge_l([1], []) == 0.0
 
 
+@pytest.mark.unit
 def test_executor_selects_most_deviating_and_scatters_later_layers() -> None:
     rng = np.random.default_rng(0)
     n, heads, kv_heads, dim = 10, 2, 1, 4
@@ -111,6 +113,7 @@ class _FakePrefill:
         return k, -k
 
 
+@pytest.mark.unit
 def test_store_on_disk_survives_a_restart_and_retriever_marks_segments(tmp_path: Path) -> None:
     fake = _FakePrefill()
     store = ChunkKVStore(fake, tmp_path)  # type: ignore[arg-type]
@@ -138,6 +141,7 @@ def test_store_on_disk_survives_a_restart_and_retriever_marks_segments(tmp_path:
         CacheBlendRetriever(restarted).new_request([prompt], [[0, 20]])
 
 
+@pytest.mark.unit
 def test_rerotate_numpy_composes_rotations() -> None:
     rotate = rerotate_numpy(10000.0)
     k = np.random.default_rng(1).standard_normal((5, 2, 8)).astype(np.float32)
@@ -146,6 +150,7 @@ def test_rerotate_numpy_composes_rotations() -> None:
     np.testing.assert_allclose(rotate(rotate(k, a, c), c, a), k, atol=1e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
@@ -191,7 +196,7 @@ def test_rerotation_equals_rope_at_the_new_positions(rag_runner) -> None:  # typ
     )
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_blend_at_ratio_one_equals_full_prefill(rag_runner, smollm2: LoadedModel) -> None:  # type: ignore[no-untyped-def]
     from maxkv.blend.rag import build_rag_prompt
 

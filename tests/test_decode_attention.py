@@ -21,14 +21,19 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType
 
-from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, kernels_path
+from maxkv import (
+    ContinuousBatchingKVCacheManager,
+    FetchContinuousBatchingKVCacheCollection,
+    KVCacheParams,
+    kernels_path,
+)
 from maxkv import ops as kvops
-from maxkv.graph import FetchContinuousBatchingKVCacheCollection
 
 from .reference import attention
 from .test_attention import as_numpy, round_to, to_buffer
 
 pytestmark = pytest.mark.compile
+
 
 NUM_LAYERS = 2
 LAYER = 1

@@ -16,13 +16,15 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from maxkv import FetchContinuousBatchingKVCacheCollection, KVCacheParams
 from maxkv import ops as kvops
-from maxkv.graph import BATCH_DIM, same_device
+from maxkv.cache.spec import BATCH_DIM
+from maxkv.graph.checks import same_device
 from maxkv.models.config import default_llama
 from maxkv.models.llama import build_llama_graph, cache_params
 
 GPU, CPU = DeviceRef.GPU(), DeviceRef.CPU()
 
 
+@pytest.mark.unit
 def test_same_device_tells_kinds_and_ids_apart() -> None:
     assert same_device(GPU, DeviceRef.GPU(0))
     assert same_device(CPU, DeviceRef.CPU())
@@ -40,6 +42,7 @@ def cache_types(params: KVCacheParams, layers: int, device: DeviceRef) -> list[T
     ]
 
 
+@pytest.mark.compile
 def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> None:
     config, _ = default_llama()
     params = cache_params(config)
@@ -62,6 +65,7 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
         )
 
 
+@pytest.mark.compile
 def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
     params = KVCacheParams(DType.float32, 2, 16)
     types = [
@@ -78,6 +82,7 @@ def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
             kvops.store_kv_ragged(params, x, x, kv, 0)
 
 
+@pytest.mark.unit
 def test_cache_inputs_on_different_devices_are_refused() -> None:
     params = KVCacheParams(DType.float32, 2, 16)
     types = cache_types(params, 2, CPU)
@@ -87,6 +92,7 @@ def test_cache_inputs_on_different_devices_are_refused() -> None:
             FetchContinuousBatchingKVCacheCollection(params)(*(v.tensor for v in graph.inputs))
 
 
+@pytest.mark.unit
 def test_row_copies_are_refused_up_front_where_they_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

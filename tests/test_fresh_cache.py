@@ -22,7 +22,9 @@ from max.graph import DeviceRef, Graph, TensorType
 
 import maxkv
 from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
-from maxkv.protocol import KVCacheManagerBase
+from maxkv.cache.protocol import KVCacheManagerBase
+
+pytestmark = pytest.mark.compile
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=8, head_dim=64)
 LAYERS = 4
@@ -71,7 +73,6 @@ def write_graph(manager: KVCacheManagerBase, kernels: Path) -> Model:
     return manager.session.load(graph)
 
 
-@pytest.mark.compile
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_first_step_on_a_fresh_large_cache_keeps_its_writes(
     kind: str, session: InferenceSession, kernels: Path

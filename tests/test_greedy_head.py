@@ -81,6 +81,7 @@ def _inputs(rng: np.random.Generator, w: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+@pytest.mark.compile
 def test_greedy_head_equals_the_argmax_of_every_float32_logit(
     head_models: tuple[Model, Model, np.ndarray],
 ) -> None:
@@ -99,6 +100,7 @@ def test_greedy_head_equals_the_argmax_of_every_float32_logit(
     assert list(ties) == [10, 70, 10, 70]  # first index of two equal rows
 
 
+@pytest.mark.compile
 def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernels: Path) -> None:
     """Every logit negative and a padded last tile: padding must never win or decide.
 
@@ -132,6 +134,7 @@ def test_greedy_head_with_an_all_negative_head(session: InferenceSession, kernel
     np.testing.assert_array_equal(got, np.argmax(exact, axis=-1))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("layout", kvops.GREEDY_HEAD_LAYOUTS)
 def test_pack_greedy_head_bounds_its_own_error(layout: kvops.GreedyHeadLayout) -> None:
     w = _head(np.random.default_rng(3))
@@ -160,6 +163,7 @@ def test_pack_greedy_head_bounds_its_own_error(layout: kvops.GreedyHeadLayout) -
         kvops.pack_greedy_head(w, "avx9")  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_greedy_head_refuses_mismatched_inputs() -> None:
     device = DeviceRef.CPU()
     with Graph("bad_greedy", input_types=[TensorType(DType.float32, [2, _K], device)]) as g:
@@ -177,6 +181,7 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
             kvops.greedy_head(x, w, q, info, 0)
 
 
+@pytest.mark.model
 def test_the_real_model_decodes_through_the_greedy_head(smollm2_llama: LlamaModel) -> None:
     """The fixture the transformers comparisons use really runs this op."""
     assert smollm2_llama.greedy_head

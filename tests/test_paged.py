@@ -16,10 +16,9 @@ import pytest
 from max.driver import CPU, Buffer
 from max.engine import InferenceSession, Model
 
-from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from maxkv import CacheFullError, ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from maxkv import ops as kvops
-from maxkv.paged_manager import UNUSED_PAGE
-from maxkv.protocol import CacheFullError
+from maxkv.cache.paged import UNUSED_PAGE
 
 from .reference import ReferenceLayerCache
 from .test_attention import (
@@ -33,6 +32,7 @@ from .test_attention import (
 )
 
 pytestmark = pytest.mark.compile
+
 
 PAGE_SIZE = 4
 NUM_PAGES = 48

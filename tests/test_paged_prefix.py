@@ -1,5 +1,5 @@
 """Prefix caching by page sharing: the page pool's eviction order, read-only cached
-pages, salts, and the same tokens as without prefix caching on the real model.
+pages, salts, and checks before any change (on the NumPy device layer).
 
 The stateful model of page ownership and hashes is ``PagedPrefixMachine`` in
 ``test_reliability``; here are the cases a random walk reaches rarely.
@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from max.driver import CPU
 from max.dtype import DType
-from max.engine import InferenceSession
 
-from maxkv import KVCacheParams, PagedKVCacheManager
-from maxkv.page_pool import PagePool
-from maxkv.prefix_cache import block_hash, block_hashes, root_hash
-from maxkv.protocol import CacheFullError
+from maxkv import CacheFullError, KVCacheParams, PagedKVCacheManager
+from maxkv.cache.page_pool import PagePool
+from maxkv.cache.prefix import block_hash, block_hashes, root_hash
+
+from . import fakes
+
+pytestmark = pytest.mark.unit
+
 
 PAGE = 4
 
@@ -59,11 +61,9 @@ def test_page_pool_evicts_uncached_pages_first_then_least_recently_freed() -> No
 
 
 @pytest.fixture
-def manager(session: InferenceSession) -> PagedKVCacheManager:
+def manager() -> PagedKVCacheManager:
     params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
-    return PagedKVCacheManager(
-        params, PAGE, 8, 4, 32, 1, [CPU()], session, enable_prefix_caching=True
-    )
+    return fakes.paged(params, PAGE, 8, 4, 32, enable_prefix_caching=True)
 
 
 def write(manager: PagedKVCacheManager, seq: int, tokens: list[int], value: float) -> None:
@@ -82,7 +82,6 @@ def read(manager: PagedKVCacheManager, seq: int) -> np.ndarray:
     return pages[np.array(held)[t // PAGE], 0, 0, t % PAGE, 0, 0]
 
 
-@pytest.mark.compile
 def test_a_cached_page_is_copied_before_it_is_written(manager: PagedKVCacheManager) -> None:
     prompt = list(range(1, 10))
     a, cached = manager.claim_prefix(prompt)
@@ -105,7 +104,6 @@ def test_a_cached_page_is_copied_before_it_is_written(manager: PagedKVCacheManag
     assert stats.cached_pages == 3  # a's two pages, and a's rewritten second page
 
 
-@pytest.mark.compile
 def test_salts_fork_and_release_keep_pages_findable(manager: PagedKVCacheManager) -> None:
     prompt = list(range(1, 14))  # 3 full pages of the first 12 tokens
     a, _ = manager.claim_prefix(prompt, salt="tenant-a")
@@ -131,7 +129,6 @@ def test_salts_fork_and_release_keep_pages_findable(manager: PagedKVCacheManager
     assert manager.prefix_cache_stats.cached_pages == 0
 
 
-@pytest.mark.compile
 def test_claims_and_commits_are_checked_before_any_change(manager: PagedKVCacheManager) -> None:
     with pytest.raises(ValueError, match="prompt must not be empty"):
         manager.claim_prefix([])

@@ -5,6 +5,8 @@ from max.dtype import DType
 
 from maxkv import KVCacheParams
 
+pytestmark = pytest.mark.unit
+
 
 def test_per_device_heads_and_dtype_name() -> None:
     params = KVCacheParams(DType.bfloat16, n_kv_heads=8, head_dim=64, n_devices=4)

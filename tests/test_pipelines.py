@@ -26,12 +26,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from max.driver import CPU
 from max.dtype import DType
-from max.engine import InferenceSession
 
-from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
+from maxkv import KVCacheParams
 
+from . import fakes
 from .conftest import requires_transformers
 
 MAX_CLI = str(Path(sys.executable).parent / "max")
@@ -71,16 +70,15 @@ PAGE = 4
 
 
 @pytest.fixture
-def paged_adapter(session: InferenceSession) -> Any:
+def paged_adapter() -> Any:
     from maxkv.pipelines import MaxkvKVManager
 
     params = KVCacheParams(DType.float32, 1, 8)
-    manager = PagedKVCacheManager(
-        params, PAGE, 10, 4, 32, 1, [CPU()], session, enable_prefix_caching=True
-    )
+    manager = fakes.paged(params, PAGE, 10, 4, 32, enable_prefix_caching=True)
     return MaxkvKVManager(manager, params=SimpleNamespace(page_size=PAGE))
 
 
+@pytest.mark.unit
 def test_adapter_shares_cached_pages_and_reports_hits(paged_adapter: Any) -> None:
     from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 
@@ -129,6 +127,7 @@ def test_adapter_shares_cached_pages_and_reports_hits(paged_adapter: Any) -> Non
     adapter.release(again)
 
 
+@pytest.mark.unit
 def test_adapter_out_of_pages_leaves_request_and_cache_as_they_were(paged_adapter: Any) -> None:
     from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 
@@ -152,6 +151,7 @@ def test_adapter_out_of_pages_leaves_request_and_cache_as_they_were(paged_adapte
     assert adapter.block_count().free == 10
 
 
+@pytest.mark.unit
 def test_adapter_chunked_prefill_commits_chunk_by_chunk(paged_adapter: Any) -> None:
     adapter, manager = paged_adapter, paged_adapter.manager
     ctx = context(list(range(30, 43)))  # 13 tokens, prefilled in chunks of 5, 5 and 3
@@ -169,13 +169,14 @@ def test_adapter_chunked_prefill_commits_chunk_by_chunk(paged_adapter: Any) -> N
     adapter.release(ctx)
 
 
-def test_adapter_maps_requests_to_contiguous_slots(session: InferenceSession) -> None:
+@pytest.mark.unit
+def test_adapter_maps_requests_to_contiguous_slots() -> None:
     from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 
     from maxkv.pipelines import MaxkvKVManager
 
     params = KVCacheParams(DType.float32, 1, 8)
-    manager = ContinuousBatchingKVCacheManager(params, 2, 16, 1, [CPU()], session)
+    manager = fakes.contiguous(params, 2, 16)
     adapter = MaxkvKVManager(manager, params=SimpleNamespace(page_size=PAGE))
     a, b, c = (context([1, 2, 3, 4, 5]) for _ in range(3))
     for ctx in (a, b, c):
@@ -214,6 +215,7 @@ def test_adapter_maps_requests_to_contiguous_slots(session: InferenceSession) ->
     assert not adapter.pending_transfers_exist() and adapter.effective_max_seq_length == 16
 
 
+@pytest.mark.unit
 def test_max_version_pin() -> None:
     from maxkv.pipelines import SUPPORTED_MAX, UnsupportedMaxVersionError, check_max_version
 
@@ -224,8 +226,9 @@ def test_max_version_pin() -> None:
             check_max_version(bad)
 
 
+@pytest.mark.unit
 def test_cache_fit_check() -> None:
-    from maxkv.pipelines.model import CacheDoesNotFitError, check_cache_fits
+    from maxkv.serving.pipelines.model import CacheDoesNotFitError, check_cache_fits
 
     check_cache_fits(100, 100, 4, 64)
     check_cache_fits(100, None, 4, 64)
@@ -291,7 +294,7 @@ def read_events(path: Path, start: int = 0) -> list[dict[str, Any]]:
         return [json.loads(line) for line in log.read().splitlines()]
 
 
-@pytest.mark.compile
+@pytest.mark.serve
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_max_generate_matches_transformers(
     cache: str, tiny_llama_dir: Path, tmp_path: Path
@@ -426,7 +429,7 @@ def settled_events(server: Server, start: int, timeout: float = 60.0) -> list[di
         time.sleep(0.5)
 
 
-@pytest.mark.compile
+@pytest.mark.serve
 def test_max_serve_concurrent_completions(max_server: Server) -> None:
     start = max_server.events.stat().st_size if max_server.events.exists() else 0
     prompts = ["hello world", "abc", "The quick brown fox", "maxkv"]
@@ -459,7 +462,7 @@ def test_max_serve_concurrent_completions(max_server: Server) -> None:
 SHARED = "You are a helpful assistant. Answer briefly and kindly. " * 2  # 112 tokens
 
 
-@pytest.mark.compile
+@pytest.mark.serve
 def test_max_serve_shared_prefix_hits_the_cache_in_chunks(max_server: Server) -> None:
     """A prompt prefix shared by later requests is reused from cached pages; prompts
     longer than --max-batch-input-tokens are prefilled in chunks; texts equal
@@ -486,7 +489,7 @@ def test_max_serve_shared_prefix_hits_the_cache_in_chunks(max_server: Server) ->
     assert "Input Tokens: 32/32 toks" in text  # the first prompt ran in chunks of 32
 
 
-@pytest.mark.compile
+@pytest.mark.serve
 def test_max_serve_logprobs_equal_transformers(max_server: Server) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -511,7 +514,7 @@ def test_max_serve_logprobs_equal_transformers(max_server: Server) -> None:
         ids.append(token)
 
 
-@pytest.mark.compile
+@pytest.mark.serve
 def test_max_serve_aborted_streams_free_their_pages(max_server: Server) -> None:
     """100 streamed requests dropped by their clients after the first chunk: every
     page comes back and the server keeps serving."""

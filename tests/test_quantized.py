@@ -20,17 +20,18 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
+from maxkv.cpu.quantized import BlockQuantized, from_gguf_blocks
 from maxkv.models import load_llama
 from maxkv.models.gguf_file import read_gguf_quantized
 from maxkv.models.llama import graph_weights, matrix_sources
 from maxkv.models.resolve import LoadedModel
-from maxkv.quantized import BlockQuantized, from_gguf_blocks
 
 from .gguf_helpers import TINY, hf_weights, write_llama_gguf
 
 # ------------------------------------------------------------------ from GGUF
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type: str) -> None:
     weights = hf_weights(TINY, seed=5)
@@ -46,6 +47,7 @@ def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type
         assert copy.exactly(loaded[name]), name
 
 
+@pytest.mark.unit
 def test_other_types_are_left_out(tmp_path: Path) -> None:
     weights = hf_weights(TINY, seed=6)
     path = tmp_path / "tiny-mixed.gguf"
@@ -55,6 +57,7 @@ def test_other_types_are_left_out(tmp_path: Path) -> None:
     assert "model.layers.1.mlp.down_proj.weight" in quantized
 
 
+@pytest.mark.unit
 def test_exactly_refuses_any_other_weight() -> None:
     rng = np.random.default_rng(0)
     copy = _random_copy(rng, 40, 64, 4)
@@ -70,6 +73,7 @@ def test_exactly_refuses_any_other_weight() -> None:
     assert not inexact.exactly(inexact.dequantize())
 
 
+@pytest.mark.unit
 def test_bad_blocks_are_refused() -> None:
     q = np.zeros((2, 64), np.uint8)
     scale = np.ones((2, 2), np.float32)
@@ -87,6 +91,7 @@ def test_bad_blocks_are_refused() -> None:
         from_gguf_blocks("Q8_0", np.zeros(33, np.uint8), (1, 32))
 
 
+@pytest.mark.model
 def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     config = smollm2.config
     registry = graph_weights(config, smollm2.weights, packed=True, quantized=smollm2.quantized)
@@ -162,6 +167,7 @@ def linear_models(
     return build
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_matmul_is_bit_identical_to_float32(
@@ -185,6 +191,7 @@ def test_quantized_matmul_is_bit_identical_to_float32(
         assert np.all(np.abs(got - reference) <= bound), f"M={m}"
 
 
+@pytest.mark.compile
 def test_the_matmul_layouts_agree_bit_for_bit(
     linear_models: Callable[[int, int], tuple[Model, Model, np.ndarray]],
 ) -> None:
@@ -234,6 +241,7 @@ def residual_models(
     return build
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
 def test_residual_is_added_in_the_epilogue(
     residual_models: Callable[[int], tuple[Model, Model, Model, np.ndarray]], block_cols: int
@@ -254,6 +262,7 @@ def test_residual_is_added_in_the_epilogue(
             np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}")
 
 
+@pytest.mark.unit
 def test_residual_must_match_the_output() -> None:
     device = DeviceRef.CPU()
     types = [
@@ -271,6 +280,7 @@ def test_residual_must_match_the_output() -> None:
             kvops.linear_packed(x, w, _N, residual=narrow.cast(DType.bfloat16))
 
 
+@pytest.mark.unit
 def test_pack_linear_weight_layout() -> None:
     """Tile t, block b, row k holds w[64 t + bc b : ..., k]; padding is zero; cache-line aligned."""
     w = np.random.default_rng(4).standard_normal((_N, _K)).astype(np.float32)
@@ -292,6 +302,7 @@ def test_pack_linear_weight_layout() -> None:
         kvops.pack_linear_weight(w[0])
 
 
+@pytest.mark.unit
 def test_quantized_matmul_refuses_mismatched_copies() -> None:
     device = DeviceRef.CPU()
     copy = _random_copy(np.random.default_rng(1), _N, _K, 4)

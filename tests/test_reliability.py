@@ -18,28 +18,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from max.driver import CPU, Buffer
 from max.dtype import DType
-from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
 
 from .conftest import RELIABILITY_COUNTS
+from .fakes import NumpyCacheDevice
+
+pytestmark = pytest.mark.unit
+
 
 CAPACITY = 6
 MAX_SEQ_LEN = 12
-_session: InferenceSession | None = None
-
-
-def shared_session() -> InferenceSession:
-    global _session
-    if _session is None:
-        _session = InferenceSession(devices=[CPU()])
-    return _session
 
 
 def new_manager() -> ContinuousBatchingKVCacheManager:
     params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
     return ContinuousBatchingKVCacheManager(
-        params, CAPACITY, MAX_SEQ_LEN, 1, [CPU()], shared_session()
+        params, CAPACITY, MAX_SEQ_LEN, 1, [CPU()], None, cache_device=NumpyCacheDevice()
     )
 
 
@@ -273,9 +268,10 @@ class PrefixMachine(RuleBasedStateMachine):
             MAX_SEQ_LEN,
             1,
             [CPU()],
-            shared_session(),
+            None,
             enable_prefix_caching=True,
             prefix_block_size=2,
+            cache_device=NumpyCacheDevice(),
         )
         self.model = PrefixModel()
         RELIABILITY_COUNTS["prefix machine: examples"] += 1
@@ -408,7 +404,15 @@ class PagedMachine(RuleBasedStateMachine):
         super().__init__()
         params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
         self.manager = PagedKVCacheManager(
-            params, PAGE_SIZE, NUM_PAGES, PAGED_IDS, MAX_SEQ_LEN, 1, [CPU()], shared_session()
+            params,
+            PAGE_SIZE,
+            NUM_PAGES,
+            PAGED_IDS,
+            MAX_SEQ_LEN,
+            1,
+            [CPU()],
+            None,
+            cache_device=NumpyCacheDevice(),
         )
         self.values: dict[int, list[float]] = {}
         self.counter = 0.0
@@ -625,8 +629,9 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             PREFIX_SEQ_LEN,
             1,
             [CPU()],
-            shared_session(),
+            None,
             enable_prefix_caching=True,
+            cache_device=NumpyCacheDevice(),
         )
         self.model = PagedPrefixModel()
         self.lookups = 0

@@ -24,12 +24,12 @@ from maxkv import (
     FetchContinuousBatchingKVCacheCollection,
     PagedKVCacheManager,
 )
+from maxkv.cache.prefix import PrefixIndex
+from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.models import LlamaModel
 from maxkv.models.llama import cache_params
 from maxkv.models.resolve import LoadedModel
-from maxkv.prefix_cache import PrefixIndex
-from maxkv.protocol import KVCacheManagerBase
-from maxkv.scheduler import ContinuousBatchingScheduler
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 from . import reference
 from .conftest import requires_transformers, smollm2_manager
@@ -52,8 +52,9 @@ def fill(manager: ContinuousBatchingKVCacheManager, slot: int, length: int, seed
 # ------------------------------------------------------------------ fork
 
 
-def test_fork_copies_the_parent_prefix_on_every_layer(make_manager: Make) -> None:
-    manager = make_manager(num_layers=3, max_seq_len=16)
+@pytest.mark.compile
+def test_fork_copies_the_parent_prefix_on_every_layer(make_device_manager: Make) -> None:
+    manager = make_device_manager(num_layers=3, max_seq_len=16)
     view = blocks(manager)
     view[:] = SENTINEL
     (parent,) = manager.claim(1)
@@ -76,6 +77,7 @@ def test_fork_copies_the_parent_prefix_on_every_layer(make_manager: Make) -> Non
     assert manager.cache_lengths[empty] == 0 and manager.slots_remaining == 0
 
 
+@pytest.mark.unit
 def test_pop_n_and_fork_bad_input_changes_nothing(make_manager: Make) -> None:
     manager = make_manager(max_cache_batch_size=2)
     (a,) = manager.claim(1)
@@ -103,8 +105,9 @@ def test_pop_n_and_fork_bad_input_changes_nothing(make_manager: Make) -> None:
     assert manager.cache_lengths[a] == 0
 
 
-def test_forked_child_attends_like_its_parent(make_manager: Make, kernels: Path) -> None:
-    manager = make_manager(num_layers=1, max_seq_len=16, n_kv_heads=2, head_dim=8)
+@pytest.mark.compile
+def test_forked_child_attends_like_its_parent(make_device_manager: Make, kernels: Path) -> None:
+    manager = make_device_manager(num_layers=1, max_seq_len=16, n_kv_heads=2, head_dim=8)
     params = manager.params
     heads = 4
     (parent,) = manager.claim(1)
@@ -143,6 +146,7 @@ def test_forked_child_attends_like_its_parent(make_manager: Make, kernels: Path)
 # ------------------------------------------------------------------ prefix caching
 
 
+@pytest.mark.unit
 def test_prefix_index_chains_blocks_and_keeps_released_slots_lru() -> None:
     index = PrefixIndex(block_size=4)
     index.append(0, list(range(10)))
@@ -162,10 +166,11 @@ def test_prefix_index_chains_blocks_and_keeps_released_slots_lru() -> None:
     assert index.tokens(2) == [0, 1, 2]
 
 
+@pytest.mark.compile
 def test_claim_prefix_takes_released_slots_in_place_and_copies_live_ones(
-    make_manager: Make,
+    make_device_manager: Make,
 ) -> None:
-    manager = make_manager(
+    manager = make_device_manager(
         max_cache_batch_size=3, max_seq_len=32, enable_prefix_caching=True, prefix_block_size=4
     )
     view = blocks(manager)
@@ -194,7 +199,7 @@ def test_claim_prefix_takes_released_slots_in_place_and_copies_live_ones(
     with pytest.raises(ValueError, match="all 3 slots are in use"):
         manager.claim_prefix(prompt)
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        make_manager().claim_prefix(prompt)
+        make_device_manager().claim_prefix(prompt)
     assert {b, d, e} == {0, 1, 2}
 
 
@@ -217,7 +222,7 @@ SYSTEM = (
 _paged_llama: dict[str, LlamaModel] = {}
 
 
-@pytest.mark.compile
+@pytest.mark.model
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_prefix_caching_gives_the_same_tokens(
     cache: str, smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
@@ -283,7 +288,7 @@ def test_prefix_caching_gives_the_same_tokens(
     assert cached == expected
 
 
-@pytest.mark.compile
+@pytest.mark.model
 def test_pop_n_rewinds_like_speculative_decoding(
     smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
 ) -> None:

@@ -7,10 +7,27 @@ cache and hands a graph four tensors per device; inside the graph,
 :class:`FetchPagedKVCacheCollection`) wraps them into one opaque collection
 that maxkv's Mojo ops (:mod:`maxkv.ops`) consume.  Load :func:`kernels_path`
 as a custom extension.
+
+The packages, bottom to top: :mod:`maxkv.cache` (the managers' bookkeeping),
+:mod:`maxkv.graph` (collection types and KV-cache ops), :mod:`maxkv.cpu`
+(the model graph's CPU kernels), :mod:`maxkv.models` (Llama, loading,
+references), :mod:`maxkv.serving` (the scheduler, MAX's pipelines) and
+:mod:`maxkv.blend` (CacheBlend).
 """
 
 from . import ops
-from .graph import (
+from .cache import (
+    SUPPORTED_DTYPES,
+    ArgumentTypeError,
+    CacheFullError,
+    CacheSpec,
+    ContinuousBatchingKVCacheManager,
+    KVCacheInputs,
+    KVCacheInputSymbols,
+    KVCacheParams,
+    PagedKVCacheManager,
+)
+from .graph.types import (
     ContinuousBatchingKVCache,
     ContinuousBatchingKVCacheCollection,
     ContinuousBatchingKVCacheCollectionType,
@@ -22,14 +39,14 @@ from .graph import (
     PagedKVCacheCollectionType,
 )
 from .kernels import kernels_path, kernels_source_path
-from .manager import ContinuousBatchingKVCacheManager, KVCacheInputs, KVCacheInputSymbols
-from .paged_manager import PagedKVCacheManager
-from .params import SUPPORTED_DTYPES, KVCacheParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "ArgumentTypeError",
+    "CacheFullError",
+    "CacheSpec",
     "ContinuousBatchingKVCache",
     "ContinuousBatchingKVCacheCollection",
     "ContinuousBatchingKVCacheCollectionType",

@@ -3,15 +3,15 @@
 Code written against that module can switch its import to this one.
 """
 
-from .graph import (
+from .cache.contiguous import ContinuousBatchingKVCacheManager
+from .cache.params import KVCacheParams
+from .graph.types import (
     ContinuousBatchingKVCache,
     ContinuousBatchingKVCacheCollection,
     ContinuousBatchingKVCacheCollectionType,
     ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
 )
-from .manager import ContinuousBatchingKVCacheManager
-from .params import KVCacheParams
 
 __all__ = [
     "ContinuousBatchingKVCache",

@@ -66,9 +66,18 @@ def kernels_path() -> Path:
         RuntimeError: If the Mojo compiler rejects the package (the message
             carries the compiler's output).
     """
-    source = kernels_source_path()
+    return compiled_package(kernels_source_path())
+
+
+def compiled_package(source: Path) -> Path:
+    """A Mojo source package (a folder with ``__init__.mojo``) compiled once into a
+    ``.mojoc``, cached by the hash of its sources and compiler (see :func:`kernels_path`).
+
+    Raises:
+        RuntimeError: If the Mojo compiler rejects the package.
+    """
     with _lock:
-        target = cache_dir() / f"maxkv_kernels_{_source_digest(source)}" / "mojo_ops.mojoc"
+        target = cache_dir() / f"maxkv_kernels_{_source_digest(source)}" / f"{source.name}.mojoc"
         if target.is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,4 +102,4 @@ def _precompile(source: Path, output: Path) -> None:
         )
     except subprocess.CalledProcessError as exc:
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
-        raise RuntimeError(f"compiling maxkv's Mojo kernels failed:\n{stderr}") from exc
+        raise RuntimeError(f"compiling the Mojo package {source} failed:\n{stderr}") from exc

@@ -23,10 +23,11 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as kvops
+from ..cache.protocol import KVCacheManagerBase
+from ..cache.spec import KVCacheInputs
 from ..kernels import kernels_path
 from ..models.config import LlamaConfig
 from ..models.llama import graph_weight_shapes
-from ..protocol import KVCacheInputs, KVCacheManagerBase
 
 F32 = DType.float32
 

@@ -17,9 +17,9 @@ import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
+from ..cache.protocol import KVCacheManagerBase
 from ..models.config import LlamaConfig
 from ..models.llama import graph_weights
-from ..protocol import KVCacheManagerBase
 from .executor import CacheBlendExecutor
 from .graphs import LayerGraphs, weight_buffers
 from .interfaces import BlendExecutor, BlendOutput, BlendRetrieverTask

@@ -17,10 +17,10 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
-from ..manager import ContinuousBatchingKVCacheManager
+from ..cache.contiguous import ContinuousBatchingKVCacheManager
+from ..cache.protocol import KVCacheManagerBase
 from ..models.llama import LlamaModel, cache_params
 from ..models.resolve import LoadedModel
-from ..protocol import KVCacheManagerBase
 from .prefill import BlendedPrefill
 from .store import CacheBlendRetriever, ChunkKVStore
 

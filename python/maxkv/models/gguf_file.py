@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
+from ..cpu.quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
 from .config import LlamaConfig, ModelLoadError, Weights, check_weights
 
 #: GGUF architectures this loader reads (Mistral-family files also say "llama").
@@ -239,11 +239,11 @@ def read_gguf(
 def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
     """The block-quantized matrices of a Llama GGUF file, as stored (Hugging Face names).
 
-    Every 2-D tensor of type Q4_0, Q4_1 or Q8_0 (:data:`maxkv.quantized.GGUF_TYPES`)
-    as a :class:`~maxkv.quantized.BlockQuantized` ``[N, K]``, Q and K rows
+    Every 2-D tensor of type Q4_0, Q4_1 or Q8_0 (:data:`maxkv.cpu.quantized.GGUF_TYPES`)
+    as a :class:`~maxkv.cpu.quantized.BlockQuantized` ``[N, K]``, Q and K rows
     unpermuted as :func:`read_gguf` does; other types are left out.  What
     :func:`read_gguf` returns for these tensors is exactly their
-    :meth:`~maxkv.quantized.BlockQuantized.dequantize`.
+    :meth:`~maxkv.cpu.quantized.BlockQuantized.dequantize`.
 
     Raises:
         ModelLoadError: On a file :func:`read_gguf` would refuse.

@@ -13,18 +13,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
-from max.driver import Buffer
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 from .. import ops as kvops
-from ..arrays import aligned
-from ..graph import KVCacheCollection
+from ..cache.params import KVCacheParams
+from ..cache.protocol import KVCacheManagerBase
+from ..cache.spec import CacheSpec, KVCacheInputs
+from ..cpu.arrays import aligned
+from ..cpu.quantized import BlockQuantized
+from ..errors import ArgumentTypeError
+from ..graph.types import KVCacheCollection
 from ..kernels import kernels_path
-from ..params import KVCacheParams
-from ..protocol import KVCacheInputs, KVCacheManagerBase
-from ..quantized import BlockQuantized
 from .config import LlamaConfig, check_weights
 
 
@@ -314,50 +316,80 @@ def build_llama_graph(
 
 
 class LlamaModel:
-    """The compiled decoder: one step of a ragged batch over a maxkv manager's cache.
+    """The compiled decoder: one step of a ragged batch over a maxkv cache.
 
-    Inputs per :meth:`execute`: token ids int64 ``[total_tokens]``,
-    ``input_row_offsets`` uint32 ``[batch + 1]`` and the manager's 4-tuple;
-    output per ``output`` (:data:`OutputKind`): the next token of each
-    sequence, int64 ``[batch]`` (left on the device: feed it straight back
-    for the next decode step), or its float32 logits ``[batch, vocab]``.
+    Built from a cache's :class:`~maxkv.cache.spec.CacheSpec` (or a manager,
+    whose spec and first device it takes): no cache needs to exist to compile
+    it, and one compiled graph serves every manager of that spec, whatever
+    its size.  Inputs per :meth:`execute`: token ids int64 ``[total_tokens]``,
+    ``input_row_offsets`` uint32 ``[batch + 1]`` and a manager's per-device
+    :class:`~maxkv.cache.spec.KVCacheInputs`; output per ``output``
+    (:data:`OutputKind`): the next token of each sequence, int64 ``[batch]``
+    (left on the device: feed it straight back for the next decode step), or
+    its float32 logits ``[batch, vocab]``.
 
     Weights are graph weights, so one compiled graph serves every model of
-    the same configuration (and the same quantized copies), and the graph is
-    independent of the cache's size.  ``quantized`` (CPU): block-quantized
-    copies of the weights, as :meth:`maxkv.models.LoadedModel.quantized`
-    holds for GGUF files; those exactly equal to the float32 weights are read
-    by steps of at most 8 rows (see :func:`graph_weights`), with the same
-    results.  With ``output="tokens"`` on an x86 CPU with AVX-512 VNNI or
-    AVX2 the tokens come from :func:`maxkv.ops.greedy_head`
-    (:attr:`greedy_head`), the same tokens as the argmax of every logit at a
-    fraction of the LM head's work.
+    the same configuration (and the same quantized copies).  ``quantized``
+    (CPU): block-quantized copies of the weights, as
+    :meth:`maxkv.models.LoadedModel.quantized` holds for GGUF files; those
+    exactly equal to the float32 weights are read by steps of at most 8 rows
+    (see :func:`graph_weights`), with the same results.  With
+    ``output="tokens"`` on an x86 CPU with AVX-512 VNNI or AVX2 the tokens
+    come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the same
+    tokens as the argmax of every logit at a fraction of the LM head's work.
+
+    Args:
+        config: The model's configuration.
+        weights: Its weights, under Hugging Face names.
+        cache: The cache's spec, or a manager (its spec and first device).
+        session: Compiles the graph.
+        output: ``"tokens"`` or ``"logits"``.
+        quantized: Block-quantized weight copies (CPU).
+        device: The device the model runs on, with a spec (default the CPU);
+            a manager's first device otherwise.
+
+    Raises:
+        ValueError: If the cache does not match the model (heads, head size,
+            layers), is not float32, or ``device`` is given with a manager.
     """
 
     def __init__(
         self,
         config: LlamaConfig,
         weights: Mapping[str, np.ndarray],
-        manager: KVCacheManagerBase,
+        cache: CacheSpec | KVCacheManagerBase,
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
         quantized: Mapping[str, BlockQuantized] | None = None,
+        device: Device | None = None,
     ) -> None:
-        params = cache_params(config, manager.params.dtype)
-        if manager.params != params or manager.num_layers != config.num_hidden_layers:
+        if isinstance(cache, KVCacheManagerBase):
+            if device is not None:
+                raise ValueError("device comes from the manager; pass a CacheSpec to choose it")
+            spec, device = cache.spec, cache.devices[0]
+        elif isinstance(cache, CacheSpec):
+            spec, device = cache, device if device is not None else CPU()
+        else:
+            raise ArgumentTypeError(
+                f"cache must be a CacheSpec or a manager, got {type(cache).__name__}"
+            )
+        params = cache_params(config, spec.params.dtype)
+        if spec.params != params or spec.num_layers != config.num_hidden_layers:
             raise ValueError(
-                f"the manager holds {manager.params} x {manager.num_layers} layers; the model "
+                f"the cache holds {spec.params} x {spec.num_layers} layers; the model "
                 f"needs {params} x {config.num_hidden_layers} layers"
             )
-        if manager.params.dtype != DType.float32:
+        if spec.params.dtype != DType.float32:
             raise ValueError("maxkv's Llama runs in float32")
         self.config = config
         self.params = params
+        #: The cache this graph was built for.
+        self.spec = spec
         self.output: OutputKind = output
-        self.device = manager.devices[0]
-        device = DeviceRef.from_device(self.device)
-        packed = device.is_cpu()
+        self.device = device
+        ref = DeviceRef.from_device(device)
+        packed = ref.is_cpu()
         #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
         self.greedy_head = (
             packed
@@ -377,9 +409,9 @@ class LlamaModel:
         graph = build_llama_graph(
             config,
             params,
-            manager.input_symbols()[0],
-            manager.collection_fetcher(),
-            device,
+            spec.input_symbols([ref])[0],
+            spec.collection_fetcher(),
+            ref,
             output,
             self.quant_bits,
             self.greedy_head,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..quantized import BlockQuantized
+from ..cpu.quantized import BlockQuantized
 from .config import LlamaConfig, Weights, default_llama
 from .fetch import KNOWN_MODELS, fetch
 from .gguf_file import read_gguf_quantized

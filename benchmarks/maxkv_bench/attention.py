@@ -1,0 +1,284 @@
+"""One decode step of flash attention: maxkv's collection vs MAX's paged cache.
+
+Both sides get identical keys and values (written into each cache's own
+layout) and identical queries.  maxkv runs ``maxkv.ops.flash_attention_ragged``
+on its continuous-batching collection (a decode step, so maxkv's own CPU
+decode kernel, ``mojo_ops/decode_attention.mojo``); MAX runs
+``max.nn.kernels.flash_attention_ragged`` on ``PagedKVCacheManager``'s inputs
+(MAX's kernel).  Outputs must agree to 1e-4 or the comparison is void.  Each
+graph is compiled once; batch and context are runtime dims; the two sides
+are timed in turns (medians).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from max import tree
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from maxkv import (
+    ContinuousBatchingKVCacheManager,
+    FetchContinuousBatchingKVCacheCollection,
+    KVCacheParams,
+    kernels_path,
+)
+from maxkv import ops as kvops
+
+from .timing import interleaved_median_seconds
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    n_heads: int = 8
+    head_dim: int = 64
+    max_batch: int = 32
+    max_context: int = 2048
+    page_size: int = 128
+
+
+@dataclass
+class DecodeData:
+    """Queries and per-sequence keys/values of one grid point."""
+
+    q: np.ndarray  # [batch, heads, head_dim]
+    k: np.ndarray  # [batch, context, heads, head_dim]
+    v: np.ndarray
+
+
+def query_types(shape: AttentionShape, device: DeviceRef) -> list[TensorType]:
+    """Graph inputs after the cache's: Q ``[batch, heads, head_dim]`` and row offsets."""
+    return [
+        TensorType(DType.float32, ["batch_size", shape.n_heads, shape.head_dim], device),
+        TensorType(DType.uint32, ["offsets_len"], device),
+    ]
+
+
+def query_buffers(data: DecodeData, device: Device) -> list[Buffer]:
+    """Runtime values of :func:`query_types`: one new token per sequence."""
+    offsets = np.arange(data.q.shape[0] + 1, dtype=np.uint32)
+    return [Buffer.from_numpy(data.q).to(device), Buffer.from_numpy(offsets).to(device)]
+
+
+def _copy_into(target: Buffer, array: np.ndarray, device: Device) -> None:
+    """Copies ``array`` into ``target`` and waits: the copy may run
+    asynchronously, and ``array`` must outlive it."""
+    source = Buffer.from_numpy(array)
+    target.inplace_copy_from(source)
+    device.synchronize()
+    del source
+
+
+def make_data(batch: int, context: int, shape: AttentionShape, seed: int = 0) -> DecodeData:
+    rng = np.random.default_rng(seed)
+    dims = (batch, context, shape.n_heads, shape.head_dim)
+    return DecodeData(
+        q=rng.standard_normal((batch, shape.n_heads, shape.head_dim), dtype=np.float32),
+        k=rng.standard_normal(dims, dtype=np.float32),
+        v=rng.standard_normal(dims, dtype=np.float32),
+    )
+
+
+class MaxkvDecodeAttention:
+    """maxkv: continuous-batching collection + ``flash_attention_ragged``."""
+
+    def __init__(self, shape: AttentionShape, device: Device, session: InferenceSession) -> None:
+        self.shape = shape
+        self.device = device
+        self.params = KVCacheParams(DType.float32, shape.n_heads, shape.head_dim)
+        self.manager = ContinuousBatchingKVCacheManager(
+            self.params, shape.max_batch, shape.max_context, 1, [device], session
+        )
+        ref = DeviceRef.from_device(device)
+        types = [*self.manager.input_symbols()[0], *query_types(shape, ref)]
+        with Graph(
+            "maxkv_decode_attention", input_types=types, custom_extensions=[kernels_path()]
+        ) as graph:
+            *cache, q, offsets = (v.tensor for v in graph.inputs)
+            kv = FetchContinuousBatchingKVCacheCollection(self.params)(*cache)
+            graph.output(kvops.flash_attention_ragged(self.params, q, offsets, kv, 0))
+        self.model: Model = session.load(graph)
+
+    def prepare(self, data: DecodeData) -> list[Buffer]:
+        batch, context = data.k.shape[:2]
+        ids = self.manager.claim(batch)
+        blocks = np.zeros(self.manager.block_shape(self.shape.max_batch), dtype=np.float32)
+        blocks[:batch, 0, 0, :context] = data.k
+        blocks[:batch, 1, 0, :context] = data.v
+        (inputs,) = self.manager.fetch(ids)
+        _copy_into(inputs[0], blocks, self.device)
+        self.manager.step({i: context - 1 for i in ids})  # the new token's K/V is in place
+        (inputs,) = self.manager.fetch(ids)
+        for i in ids:
+            self.manager.release(i)
+        return [*inputs, *query_buffers(data, self.device)]
+
+    def run(self, inputs: list[Buffer]) -> Buffer:
+        (out,) = self.model.execute(*inputs)
+        return out
+
+
+class MaxPagedDecodeAttention:
+    """MAX 26.7: ``PagedKVCacheManager`` + ``max.nn.kernels.flash_attention_ragged``."""
+
+    def __init__(self, shape: AttentionShape, device: Device, session: InferenceSession) -> None:
+        from max.nn.attention.mask_config import MHAMaskVariant
+        from max.nn.kernels import flash_attention_ragged
+        from max.nn.kv_cache import MHAKVCacheParams
+        from max.pipelines.kv_cache import PagedKVCacheManager
+
+        self.shape = shape
+        self.device = device
+        ref = DeviceRef.from_device(device)
+        self.params = MHAKVCacheParams(
+            dtype=DType.float32,
+            n_kv_heads=shape.n_heads,
+            head_dim=shape.head_dim,
+            num_layers=1,
+            page_size=shape.page_size,
+            devices=[ref],
+        )
+        pages = shape.max_batch * math.ceil(shape.max_context / shape.page_size)
+        self.manager = PagedKVCacheManager(
+            params=self.params,
+            session=session,
+            total_num_pages=pages,
+            max_batch_size=shape.max_batch,
+        )
+        kv_types, _ = tree.flatten(self.params.get_symbolic_inputs())
+        self._n_kv = len(kv_types)
+        types = [*kv_types, *query_types(shape, ref)]
+        with Graph("max_paged_decode_attention", input_types=types) as graph:
+            (kv,) = self.params.unflatten_kv_inputs(iter(graph.inputs[: self._n_kv]))
+            q, offsets = (v.tensor for v in graph.inputs[self._n_kv :])
+            layer = ops.constant(0, DType.uint32, device=DeviceRef.CPU())
+            graph.output(
+                flash_attention_ragged(
+                    self.params,
+                    q,
+                    offsets,
+                    kv,
+                    layer,
+                    mask_variant=MHAMaskVariant.CAUSAL_MASK,
+                    scale=1.0 / math.sqrt(shape.head_dim),
+                )
+            )
+        self.model: Model = session.load(graph)
+        self._contexts: list[object] = []
+
+    def prepare(self, data: DecodeData) -> list[Buffer]:
+        from max.pipelines.context import TextContext, TokenBuffer
+        from max.pipelines.modeling.types import RequestID
+
+        for ctx in self._contexts:
+            self.manager.release(ctx)
+        batch, context = data.k.shape[:2]
+        page = self.shape.page_size
+        contexts = []
+        for _ in range(batch):
+            ctx = TextContext(
+                request_id=RequestID(),
+                max_length=self.shape.max_context + 1,
+                tokens=TokenBuffer(np.zeros(context - 1, dtype=np.int64)),
+            )
+            self.manager.claim(ctx)
+            self.manager.alloc(ctx)
+            contexts.append(ctx)
+        self.manager.runtime_inputs([contexts])  # the prefill step, not executed
+        for ctx in contexts:
+            ctx.update(0)
+            self.manager.step(ctx)
+            self.manager.alloc(ctx)
+        (inputs,) = self.manager.runtime_inputs([contexts])
+        self._contexts = contexts
+
+        blocks = inputs.kv_blocks.to_numpy().copy()
+        table = inputs.lookup_table.to_numpy()
+        for b in range(batch):
+            for j in range(math.ceil(context / page)):
+                rows = slice(j * page, min((j + 1) * page, context))
+                n = rows.stop - rows.start
+                blocks[table[b, j], 0, 0, :n] = data.k[b, rows]
+                blocks[table[b, j], 1, 0, :n] = data.v[b, rows]
+        _copy_into(inputs.kv_blocks, blocks, self.device)
+        flat, _ = tree.flatten((inputs,))
+        return [*flat, *query_buffers(data, self.device)]
+
+    def run(self, inputs: list[Buffer]) -> Buffer:
+        (out,) = self.model.execute(*inputs)
+        return out
+
+
+def bench_attention_decode(
+    session: InferenceSession,
+    device: Device,
+    batches: list[int],
+    contexts: list[int],
+    *,
+    warmup: int,
+    repeats: int,
+    shape: AttentionShape | None = None,
+    read_bandwidth_gbps: float | None = None,
+) -> list[dict[str, float | int]]:
+    """Median ms of one decode step per (batch, context), both sides, same data.
+
+    With ``read_bandwidth_gbps`` (measured in the same run), each row also
+    gives the fraction of it that each side's KV streaming reaches.
+    """
+    shape = shape or AttentionShape(max_batch=max(batches), max_context=max(contexts))
+    maxkv_side = MaxkvDecodeAttention(shape, device, session)
+    paged_side = MaxPagedDecodeAttention(shape, device, session)
+    rows: list[dict[str, float | int]] = []
+    for batch in batches:
+        for context in contexts:
+            data = make_data(batch, context, shape)
+            ours = maxkv_side.prepare(data)
+            theirs = paged_side.prepare(data)
+            difference = np.abs(
+                maxkv_side.run(ours).to_numpy() - paged_side.run(theirs).to_numpy()
+            ).max()
+            if not difference < 1e-4:
+                raise RuntimeError(
+                    f"maxkv and MAX paged disagree by {difference} at batch {batch}, "
+                    f"context {context}: the comparison is void"
+                )
+
+            def run_ours(inputs: list[Buffer] = ours) -> None:
+                maxkv_side.run(inputs)
+                device.synchronize()
+
+            def run_theirs(inputs: list[Buffer] = theirs) -> None:
+                paged_side.run(inputs)
+                device.synchronize()
+
+            medians = interleaved_median_seconds(
+                {"maxkv": run_ours, "max_paged": run_theirs}, warmup=warmup, repeats=repeats
+            )
+            maxkv_ms, paged_ms = medians["maxkv"] * 1e3, medians["max_paged"] * 1e3
+            # Bytes a decode step must read: every cached K and V once.
+            kv_bytes = 2 * batch * context * shape.n_heads * shape.head_dim * 4
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "maxkv_ms": round(maxkv_ms, 4),
+                    "max_paged_ms": round(paged_ms, 4),
+                    "ratio": round(maxkv_ms / paged_ms, 3),
+                    "maxkv_GBps": round(kv_bytes / maxkv_ms / 1e6, 2),
+                    "max_paged_GBps": round(kv_bytes / paged_ms / 1e6, 2),
+                    "max_abs_difference": float(difference),
+                }
+            )
+            if read_bandwidth_gbps:
+                rows[-1]["maxkv_fraction_of_read_bandwidth"] = round(
+                    kv_bytes / maxkv_ms / 1e6 / read_bandwidth_gbps, 3
+                )
+                rows[-1]["max_paged_fraction_of_read_bandwidth"] = round(
+                    kv_bytes / paged_ms / 1e6 / read_bandwidth_gbps, 3
+                )
+    return rows

@@ -1,0 +1,1 @@
+# Mojo ops for maxkv's benchmarks only (not in the wheel).

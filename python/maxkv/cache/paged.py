@@ -1,0 +1,387 @@
+"""The paged KV cache manager: pages of ``page_size`` tokens, TVM's design (seed 004).
+
+Every sequence holds a list of pages (its row of the page table); a page is
+``[2, num_layers, page_size, n_kv_heads_per_device, head_dim]`` of one
+``[num_pages, ...]`` buffer per device.  The step protocol is the one in
+:mod:`maxkv.cache.protocol` (TVM's steps 1 to 4), shared with
+:class:`~maxkv.ContinuousBatchingKVCacheManager`; a model moves from
+contiguous to paged by changing the manager, not the graph code.  Where each
+public method sits in that protocol:
+
+1. ``claim`` / ``external_claim``: a sequence id, no pages yet.
+2. ``fetch``: reserves the pages of all ``num_steps`` steps up front (TVM's
+   ReserveExtraLengthForAppend), copying first any shared page the step will
+   write into (copy-on-write), then builds the 4-tuple per device
+   ``(pages, cache_lengths, page_table, max_lengths)``.  Out of pages:
+   ``ValueError`` before any change.
+3. The graph runs; ``increment_cache_lengths`` advances lengths on the
+   device: the pages were reserved in step 2, so no allocation happens.
+4. ``step`` commits tokens; ``release`` frees the sequence and drops its
+   hold on each page.
+
+Between rounds: ``fork(parent, fork_pos)`` shares the parent's full pages
+(reference counts) and copies only the tokens of its partial last page into
+one new page; ``pop_n`` drops tokens and frees the pages that become empty.
+:attr:`PagedKVCacheManager.free_pages` is exact at every moment.
+
+Prefix caching by page sharing (``enable_prefix_caching=True``, vLLM's and
+MAX's scheme): when ``step`` commits the token ids that fill a page, the page
+is registered under the chained hash of its tokens (the parent page's hash,
+and a per-sequence salt before the first page).  ``claim_prefix(prompt,
+salt=...)`` (step 1) maps the prompt to the longest run of registered pages
+and shares them, without a copy.  A registered page is read-only: a sequence
+that would write into it (after ``pop_n``) copies it first.  When its last
+holder lets go it stays registered, and findable, until a new allocation
+evicts it (least recently freed first, after every page without content).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.engine import InferenceSession
+
+from ..errors import CacheFullError
+from .page_pool import PagePool
+from .params import KVCacheParams
+from .prefix import block_hashes, root_hash
+from .protocol import CacheDevice, KVCacheManagerBase, require_int, validate_sizes
+from .spec import CacheSpec, KVCacheInputs
+
+__all__ = ["UNUSED_PAGE", "PagedKVCacheManager"]
+
+#: Page-table entry of a page a sequence does not have (never a valid page id).
+UNUSED_PAGE = 0xFFFFFFFF
+
+
+class PagedKVCacheManager(KVCacheManagerBase):
+    """Owns the pages and which sequence holds which.
+
+    Args:
+        params: Dtype and head layout of the cache.
+        page_size: Tokens per page.
+        num_pages: Pages in the cache (all sequences together).
+        max_batch_size: Sequence ids, ``[0, max_batch_size)``.
+        max_seq_len: Most tokens one sequence can hold; the page table has
+            ``ceil(max_seq_len / page_size)`` columns.
+        num_layers: Transformer layers cached per page.
+        devices: One device per ``params.n_devices``.
+        session: The session that runs the model; compiles the increment
+            and copy graphs (``None`` only with a ``cache_device``).
+        enable_prefix_caching: Register full pages under the hash of their
+            tokens and share them with later prompts (:meth:`claim_prefix`);
+            :meth:`step` then needs the committed token ids.  Sharing needs
+            no copy, so any device; a copy-on-write (after ``pop_n`` into a
+            registered page) copies on the CPU only.
+        cache_device: The device work (zero fill, increments, copies);
+            default MAX's (:class:`~maxkv.cache.device.MaxCacheDevice`).
+
+    Raises:
+        ArgumentTypeError: If an argument has the wrong type.
+        ValueError: If a size is not positive or the number of devices
+            differs from ``params.n_devices``.
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        page_size: int,
+        num_pages: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[Device],
+        session: InferenceSession | None,
+        *,
+        enable_prefix_caching: bool = False,
+        cache_device: CacheDevice | None = None,
+    ) -> None:
+        page_size = require_int("page_size", page_size, 1)
+        super().__init__(
+            CacheSpec(params, num_layers, "paged", page_size),
+            max_batch_size,
+            max_seq_len,
+            devices,
+            session,
+            cache_device,
+        )
+        self.page_size = page_size
+        self.num_pages = require_int("num_pages", num_pages, 1)
+        if self.num_pages >= UNUSED_PAGE:
+            raise ValueError(f"num_pages must be below {UNUSED_PAGE}, got {num_pages}")
+        self.max_pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
+        self._free_seq_ids: set[int] = set(range(self.max_batch_size))
+        self._pool = PagePool(self.num_pages)
+        self._page_lists: dict[int, list[int]] = {}
+        self._prefix_caching = bool(enable_prefix_caching)
+        #: Prefix caching, per sequence: committed token ids, salt, and the
+        #: hashes of its full pages (the chain its next full page extends).
+        self._tokens: dict[int, list[int]] = {}
+        self._salts: dict[int, str | None] = {}
+        self._hashes: dict[int, list[bytes]] = {}
+        shape = self.pages_shape(self.num_pages)
+        self._pages = self.cache_device.zeros(shape, self.params.dtype)
+
+    # ------------------------------------------------------------------ sizes
+
+    def pages_shape(self, num_pages: int) -> list[int]:
+        """Shape of one device's pages buffer: ``[num_pages, 2, num_layers,
+        page_size, n_kv_heads_per_device, head_dim]`` (axis 1: 0 keys, 1 values)."""
+        n = require_int("num_pages", num_pages, 1)
+        p = self.params
+        return [n, 2, self.num_layers, self.page_size, p.n_kv_heads_per_device, p.head_dim]
+
+    @classmethod
+    def estimated_memory_size(
+        cls,
+        params: KVCacheParams,
+        page_size: int,
+        num_pages: int,
+        num_layers: int,
+        devices: Sequence[Device],
+    ) -> int:
+        """Bytes the pages take on all devices together (before allocating them)."""
+        validate_sizes(params, 1, 1, num_layers, devices)
+        require_int("page_size", page_size, 1)
+        require_int("num_pages", num_pages, 1)
+        per_page = 2 * num_layers * page_size * params.n_kv_heads_per_device * params.head_dim
+        return int(num_pages * per_page * params.dtype.size_in_bytes * len(devices))
+
+    # ------------------------------------------------------------ page state
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no sequence holds (exact at every moment)."""
+        with self._lock:
+            return self._pool.free_count
+
+    def pages(self, seq_id: int) -> tuple[int, ...]:
+        """The pages ``seq_id`` holds, in token order (its page-table row).
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed.
+        """
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            return tuple(self._page_lists[seq])
+
+    def page_refcount(self, page: int) -> int:
+        """How many sequences hold ``page`` (0: free)."""
+        with self._lock:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
+            return self._pool.refcount(page)
+
+    def page_is_cached(self, page: int) -> bool:
+        """Whether ``page`` is registered in the prefix cache (and so read-only)."""
+        with self._lock:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
+            return self._pool.is_cached(page)
+
+    def storage_units(self, tokens: int) -> int:
+        """Pages a sequence of ``tokens`` tokens holds."""
+        return math.ceil(tokens / self.page_size)
+
+    @property
+    def total_storage_units(self) -> int:
+        """Pages in the cache."""
+        return self.num_pages
+
+    # ------------------------------------------------------ prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching by page sharing is on."""
+        return self._prefix_caching
+
+    @property
+    def prefix_block_size(self) -> int:
+        """A prefix is reused in whole pages."""
+        self._require_prefix_caching("prefix_block_size")
+        return self.page_size
+
+    def _cached_pages(self, tokens: list[int], salt: str | None) -> tuple[list[int], list[bytes]]:
+        """The registered pages holding the longest page-aligned prefix of ``tokens[:-1]``."""
+        pages: list[int] = []
+        hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
+        for block in hashes:
+            page = self._pool.lookup(block)
+            if page is None:
+                break
+            pages.append(page)
+        return pages, hashes[: len(pages)]
+
+    def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
+        return len(self._cached_pages(tokens, salt)[0]) * self.page_size
+
+    def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
+        pages, hashes = self._cached_pages(tokens, salt)
+        (seq_id,) = self._storage_claim(1)
+        cached = len(pages) * self.page_size
+        self._pool.share(pages)
+        self._page_lists[seq_id] = pages
+        self._tokens[seq_id] = tokens[:cached]
+        self._salts[seq_id] = salt
+        self._hashes[seq_id] = hashes
+        return seq_id, cached
+
+    def _storage_prefix_counters(self) -> tuple[int, int]:
+        return self._pool.counters.evictions, self._pool.cached_count
+
+    def _storage_reset_prefix_cache(self) -> None:
+        self._pool.reset_cache()
+
+    def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
+        """Registers the pages the committed tokens filled (prefix caching)."""
+        if not self._prefix_caching:
+            return
+        for seq_id, ids in tokens.items():
+            held_tokens = self._tokens[seq_id]
+            held_tokens.extend(ids)
+            hashes = self._hashes[seq_id]
+            parent = hashes[-1] if hashes else root_hash(self._salts[seq_id])
+            start = len(hashes) * self.page_size
+            pages = self._page_lists[seq_id]
+            for block in block_hashes(held_tokens, self.page_size, parent, start):
+                index = len(hashes)
+                page = pages[index]
+                registered = self._pool.register(page, block)
+                if registered != page:  # the same content is cached already: share it
+                    self._pool.share([registered])
+                    pages[index] = registered
+                    self._pool.free([page])
+                hashes.append(block)
+
+    # ------------------------------------------------------- storage hooks
+
+    def _free_ids(self) -> int:
+        return len(self._free_seq_ids)
+
+    def _storage_claim(self, n: int) -> list[int]:
+        seq_ids = sorted(self._free_seq_ids)[:n]
+        self._storage_claim_ids(seq_ids)
+        return seq_ids
+
+    def _storage_claim_ids(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._free_seq_ids.remove(seq_id)
+            self._page_lists[seq_id] = []
+            if self._prefix_caching:
+                self._tokens[seq_id], self._salts[seq_id], self._hashes[seq_id] = [], None, []
+
+    def _storage_release(self, seq_id: int) -> None:
+        # Last page first: a sequence's prefix outlives its tail in the cache.
+        self._pool.free(reversed(self._page_lists.pop(seq_id)))
+        self._free_seq_ids.add(seq_id)
+        for records in (self._tokens, self._salts, self._hashes):
+            records.pop(seq_id, None)
+
+    def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
+        # Plan first (nothing changes if the pages do not suffice), then act.
+        plans = []
+        needed = 0
+        for seq_id, total in zip(seq_ids, totals, strict=True):
+            held = self._page_lists[seq_id]
+            first_written = self._lengths[seq_id] // self.page_size
+            last = self.storage_units(total)
+            shared = [
+                i for i in range(first_written, min(last, len(held))) if self._shared(held[i])
+            ]
+            new = max(0, last - len(held))
+            plans.append((seq_id, shared, new))
+            needed += len(shared) + new
+        if needed > self._pool.free_count:
+            raise CacheFullError(
+                f"out of pages: this step needs {needed} new pages of {self.page_size} tokens, "
+                f"{self._pool.free_count} of {self.num_pages} are free"
+            )
+        for seq_id, shared, new in plans:
+            for index in shared:
+                self._copy_on_write(seq_id, index)
+            self._page_lists[seq_id] += self._pool.allocate(new)
+
+    def _storage_inputs(
+        self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
+    ) -> list[KVCacheInputs]:
+        return self._inputs([self._page_lists[s] for s in seq_ids], lengths, max_lengths)
+
+    def _storage_room(self, seq_id: int) -> int:
+        return len(self._page_lists[seq_id]) * self.page_size
+
+    def _storage_truncate(self, seq_id: int, length: int) -> None:
+        held = self._page_lists[seq_id]
+        keep = self.storage_units(length)
+        self._pool.free(reversed(held[keep:]))
+        del held[keep:]
+        if self._prefix_caching:
+            del self._tokens[seq_id][length:]
+            del self._hashes[seq_id][length // self.page_size :]
+
+    def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
+        full = fork_pos // self.page_size
+        partial = fork_pos % self.page_size
+        if partial and self._pool.free_count < 1:
+            raise CacheFullError(
+                f"cannot fork seq_id {parent} at {fork_pos}: its partial page needs a copy "
+                "and no page is free"
+            )
+        parent_pages = self._page_lists[parent]
+        shared = parent_pages[:full]
+        self._pool.share(shared)
+        child_pages = list(shared)
+        if partial:
+            child_pages += self._pool.allocate(1)
+        self._page_lists[child] = child_pages
+        if self._prefix_caching:
+            self._tokens[child] = self._tokens[parent][:fork_pos]
+            self._salts[child] = self._salts[parent]
+            self._hashes[child] = self._hashes[parent][:full]
+        if partial:
+            self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
+
+    # -------------------------------------------------------------- helpers
+
+    def _shared(self, page: int) -> bool:
+        """Whether writing into ``page`` needs a copy first: held twice, or cached."""
+        return self._pool.refcount(page) > 1 or self._pool.is_cached(page)
+
+    def _copy_on_write(self, seq_id: int, index: int) -> None:
+        """Gives ``seq_id`` its own copy of its shared page ``index`` (a free page is there)."""
+        held = self._page_lists[seq_id]
+        old = held[index]
+        start = index * self.page_size
+        end = min(self._lengths[seq_id], start + self.page_size)
+        (new,) = self._pool.allocate(1)
+        replaced = [*held[:index], new, *held[index + 1 :]]
+        self._copy_between(held, replaced, start, end)
+        held[index] = new
+        self._pool.free([old])
+
+    def _copy_between(
+        self, source: list[int], destination: list[int], start: int, end: int
+    ) -> None:
+        """Copies tokens ``[start, end)`` from the page list ``source`` to ``destination``."""
+        lengths = np.array([end, 0], dtype=np.uint32)
+        max_lengths = np.array([[0, end]], dtype=np.uint32)
+        self._copy_tokens(self._inputs([source, destination], lengths, max_lengths), start, end)
+
+    def _inputs(
+        self, page_lists: list[list[int]], lengths: np.ndarray, max_lengths: np.ndarray
+    ) -> list[KVCacheInputs]:
+        table = np.full((len(page_lists), self.max_pages_per_seq), UNUSED_PAGE, dtype=np.uint32)
+        for row, held in enumerate(page_lists):
+            table[row, : len(held)] = held
+        max_lengths_buffer = Buffer.from_numpy(max_lengths)
+        return [
+            KVCacheInputs(
+                pages,
+                Buffer.from_numpy(lengths.copy()).to(device),
+                Buffer.from_numpy(table.copy()).to(device),
+                max_lengths_buffer,
+            )
+            for pages, device in zip(self._pages, self.devices, strict=True)
+        ]

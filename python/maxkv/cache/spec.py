@@ -1,0 +1,173 @@
+"""A KV cache described without a manager: what a model graph needs to know of it.
+
+:class:`CacheSpec` (parameters, layers, kind, page size) gives a graph its
+cache inputs (:meth:`CacheSpec.input_symbols`) and the fetcher that turns them
+into the opaque collection (:meth:`CacheSpec.collection_fetcher`).  Models and
+graphs are built from a spec; a manager of the same spec feeds them at run
+time (``manager.spec``).  The cache's sizes (slots, pages, ``max_seq_len``)
+are symbolic dims of the inputs, so one compiled graph serves every manager
+of a spec.
+
+Per device a step's inputs are :class:`KVCacheInputs`, a ``NamedTuple``
+that is still MAX 24.x's 4-tuple ``(blocks, cache_lengths, lookup_table,
+max_lengths)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.graph import DeviceRef, TensorType
+
+from ..errors import ArgumentTypeError
+from .params import KVCacheParams
+
+if TYPE_CHECKING:
+    from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+
+#: How a cache stores sequences: one slot of ``max_seq_len`` tokens each, or pages.
+CacheKind = Literal["contiguous", "paged"]
+CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged")
+
+#: Symbolic dim of ``cache_lengths`` and the lookup table's first axis.
+BATCH_DIM = "batch_size"
+#: Symbolic dim of ``max_lengths``' first axis.
+STEPS_DIM = "num_steps"
+#: Symbolic dims of the contiguous blocks' slot and token axes.
+SLOTS_DIM = "kv_cache_slots"
+SEQ_LEN_DIM = "kv_max_seq_len"
+#: Symbolic dims of the paged cache's page count and page-table width.
+PAGES_DIM = "kv_num_pages"
+PAGE_TABLE_WIDTH_DIM = "kv_max_pages_per_seq"
+
+
+class KVCacheInputs(NamedTuple):
+    """One device's graph inputs for a step: MAX 24.x's 4-tuple, with names.
+
+    - ``blocks``: the whole cache; contiguous ``[slots, 2, num_layers,
+      max_seq_len, n_kv_heads_per_device, head_dim]``, paged ``[num_pages, 2,
+      num_layers, page_size, n_kv_heads_per_device, head_dim]`` (axis 1: 0
+      keys, 1 values).
+    - ``cache_lengths``: uint32 ``[batch]``, tokens already cached per sequence.
+    - ``lookup_table``: uint32; contiguous ``[batch]``, the slot of each
+      sequence; paged ``[batch, max_pages_per_seq]``, its page table.
+    - ``max_lengths``: uint32 ``[num_steps, 2]`` on the host; row *i* holds
+      (max new tokens, max cache length) of step *i*.
+    """
+
+    blocks: Buffer
+    cache_lengths: Buffer
+    lookup_table: Buffer
+    max_lengths: Buffer
+
+
+class KVCacheInputSymbols(NamedTuple):
+    """The graph input types of one device's :class:`KVCacheInputs`."""
+
+    blocks: TensorType
+    cache_lengths: TensorType
+    lookup_table: TensorType
+    max_lengths: TensorType
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a graph needs to know of a KV cache, with no cache allocated.
+
+    Args:
+        params: Dtype and head layout of the cached keys and values.
+        num_layers: Transformer layers cached.
+        kind: ``"contiguous"`` (a slot per sequence) or ``"paged"``.
+        page_size: Tokens per page; required for ``"paged"``, ``None`` for
+            ``"contiguous"``.
+
+    Raises:
+        ArgumentTypeError: If an argument has the wrong type.
+        ValueError: On an unknown kind, a non-positive size, or a page size
+            given to a contiguous cache (or missing for a paged one).
+    """
+
+    params: KVCacheParams
+    num_layers: int
+    kind: CacheKind = "contiguous"
+    page_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, KVCacheParams):
+            raise ArgumentTypeError(
+                f"params must be a KVCacheParams, got {type(self.params).__name__}"
+            )
+        _positive_int("num_layers", self.num_layers)
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"kind must be one of {CACHE_KINDS}, got {self.kind!r}")
+        if self.kind == "paged":
+            if self.page_size is None:
+                raise ValueError("a paged cache needs a page_size")
+            _positive_int("page_size", self.page_size)
+        elif self.page_size is not None:
+            raise ValueError(f"a contiguous cache has no page_size, got {self.page_size}")
+
+    def blocks_shape(self) -> list[int | str]:
+        """The ``blocks`` input's shape, with symbolic sizes."""
+        p = self.params
+        heads, dim = p.n_kv_heads_per_device, p.head_dim
+        if self.kind == "paged":
+            assert self.page_size is not None
+            return [PAGES_DIM, 2, self.num_layers, self.page_size, heads, dim]
+        return [SLOTS_DIM, 2, self.num_layers, SEQ_LEN_DIM, heads, dim]
+
+    def input_symbols(self, devices: Sequence[Device | DeviceRef]) -> list[KVCacheInputSymbols]:
+        """The graph input types of one step, one :class:`KVCacheInputSymbols` per device.
+
+        ``blocks`` as :meth:`blocks_shape`, ``cache_lengths`` ``["batch_size"]``,
+        the lookup table ``["batch_size"]`` (contiguous) or ``["batch_size",
+        "kv_max_pages_per_seq"]`` (paged), and ``max_lengths`` ``["num_steps",
+        2]`` on the host.
+
+        Raises:
+            ValueError: If the number of devices differs from ``params.n_devices``.
+        """
+        if len(devices) != self.params.n_devices:
+            raise ValueError(
+                f"params.n_devices is {self.params.n_devices} but {len(devices)} devices were given"
+            )
+        table: list[int | str] = [BATCH_DIM]
+        if self.kind == "paged":
+            table.append(PAGE_TABLE_WIDTH_DIM)
+        symbols = []
+        for device in devices:
+            ref = device if isinstance(device, DeviceRef) else DeviceRef.from_device(device)
+            symbols.append(
+                KVCacheInputSymbols(
+                    TensorType(self.params.dtype, self.blocks_shape(), ref),
+                    TensorType(DType.uint32, [BATCH_DIM], ref),
+                    TensorType(DType.uint32, table, ref),
+                    TensorType(DType.uint32, [STEPS_DIM, 2], DeviceRef.CPU()),
+                )
+            )
+        return symbols
+
+    def collection_fetcher(
+        self,
+    ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
+        """What turns one device's inputs into the opaque collection inside a graph."""
+        from ..graph.types import (
+            FetchContinuousBatchingKVCacheCollection,
+            FetchPagedKVCacheCollection,
+        )
+
+        if self.kind == "paged":
+            assert self.page_size is not None
+            return FetchPagedKVCacheCollection(self.params, self.page_size)
+        return FetchContinuousBatchingKVCacheCollection(self.params)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,18 @@
+"""What this host's CPU can run: its feature flags, read once."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This host's CPU feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

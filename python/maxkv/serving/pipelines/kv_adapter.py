@@ -1,0 +1,358 @@
+"""maxkv's managers behind MAX's KV-manager interface (``PagedKVCacheManagerInterface``).
+
+MAX's schedulers (``max generate``'s loop, ``max serve``'s batch constructor,
+with its chunked prefill and preemption) drive a KV manager through one
+protocol; this adapter maps it onto maxkv's step protocol
+(:mod:`maxkv.cache.protocol`), one request to one maxkv sequence, over either
+manager (:class:`~maxkv.PagedKVCacheManager` by default, or the contiguous
+:class:`~maxkv.ContinuousBatchingKVCacheManager`):
+
+==========================  ===============================================
+MAX calls                   maxkv does
+==========================  ===============================================
+``claim(ctx)``              records the request (no sequence yet: MAX calls
+                            ``claim`` outside its retry handling)
+``alloc(ctx)``              first call: ``claim_prefix(prompt, salt=
+                            ctx.cache_salt)`` with prefix caching (the
+                            request skips its cached tokens and
+                            ``ctx.cached_prefix_length`` is set, as MAX's
+                            own manager does), else ``claim(1)``; every call:
+                            ``reserve`` the pages of this step (its chunk
+                            or decode token).  No room:
+                            ``InsufficientBlocksError``, with nothing taken
+                            and the request as it was (MAX requeues or
+                            preempts, and retries).  Also when a request
+                            still prefilling will cache pages of this
+                            prompt: it waits a batch and reuses them
+                            instead of computing them twice
+``runtime_inputs(batches)`` ``fetch(seq_ids, 1, active_lengths=...)``: the
+                            per-device 4-tuples the model graph takes
+``step(ctx)``               ``step({seq_id: newly processed tokens},
+                            tokens=...)``: full pages enter the prefix cache
+``release(ctx)``            ``release(seq_id)``: pages return to the pool
+                            (cached ones stay findable until evicted)
+==========================  ===============================================
+
+MAX's occupancy and prefix-cache queries are answered from the manager:
+``block_count`` (free and total pages, or slots), ``num_req_blocks``,
+``get_prefix_cache_hit_counts``, and the metrics MAX's scheduler logs per
+batch (``input_tokens``, ``cache_tokens``).  KV transfers to other tiers
+and data parallelism are not supported: transfers are no-ops and a replica
+other than 0 is refused.
+
+Set ``MAXKV_EVENT_LOG=FILE`` to append one JSON line per ``alloc`` that
+starts a sequence and per ``release``, with the cache's free units (pages or
+slots) after it: a way to see cache use inside ``max serve``'s model worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from max.nn.kv_cache.metrics import KVCacheMetrics
+from max.pipelines.kv_cache import BlockCount, ByteCount, PagedKVCacheManagerInterface
+from max.pipelines.kv_cache.kv_connector import CompletedTransfer
+from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
+from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
+
+from ...cache.paged import PagedKVCacheManager
+from ...cache.prefix import common_prefix_length
+from ...cache.protocol import KVCacheManagerBase
+from ...cache.spec import KVCacheInputs
+from ...errors import CacheFullError
+
+
+class MaxkvKVManager(PagedKVCacheManagerInterface):
+    """MAX's KV-manager interface over a maxkv manager.
+
+    Args:
+        manager: The maxkv manager holding the cache; with prefix caching on,
+            requests reuse cached prefixes.
+        params: MAX's KV cache parameters of the model (the schedulers read
+            ``params.page_size`` and a few other fields).
+    """
+
+    def __init__(self, manager: KVCacheManagerBase, params: Any) -> None:
+        self.manager = manager
+        self.params = params
+        self._lock = threading.Lock()
+        #: request id -> maxkv sequence id (None until ``alloc`` starts one).
+        self._seqs: dict[Any, int | None] = {}
+        #: request id -> tokens committed to its sequence.
+        self._committed: dict[Any, int] = {}
+        #: Requests whose prompt is not all in the cache yet: id -> (salt, prompt).
+        self._prefilling: dict[Any, tuple[str | None, list[int]]] = {}
+        self._metrics = KVCacheMetrics()
+        self._event_log = os.environ.get("MAXKV_EVENT_LOG")
+
+    # ------------------------------------------------------------ lifecycle
+
+    def claim(self, ctx: Any, replica_idx: int = 0) -> None:
+        """Records the request; its sequence starts in :meth:`alloc`."""
+        if replica_idx != 0:
+            raise ValueError("maxkv: data parallelism (replica_idx > 0) is not supported")
+        with self._lock:
+            if ctx.request_id in self._seqs:
+                raise ValueError(f"maxkv: request {ctx.request_id} is already claimed")
+            self._seqs[ctx.request_id] = None
+            self._committed[ctx.request_id] = 0
+
+    def alloc(self, ctx: Any) -> Any:
+        """Starts the request's sequence (once, reusing its cached prefix) and
+        reserves the room of its next step.
+
+        Raises:
+            InsufficientBlocksError: No sequence id or too few pages are free,
+                or the request would pass ``max_seq_len``; the request and
+                the cache are left as they were.
+        """
+        tokens = ctx.tokens
+        with self._lock:
+            if ctx.request_id not in self._seqs:
+                raise ValueError(f"maxkv: request {ctx.request_id} was not claimed")
+            need = tokens.processed_length + tokens.active_length
+            if need > self.manager.max_seq_len:
+                raise InsufficientBlocksError(
+                    f"maxkv: request {ctx.request_id} needs {need} cache positions, past "
+                    f"max_seq_len {self.manager.max_seq_len} (--max-length)"
+                )
+            seq = self._seqs[ctx.request_id]
+            started = seq is None
+            cached = 0
+            if seq is None:
+                if tokens.processed_length:
+                    raise ValueError(
+                        f"maxkv: request {ctx.request_id} has {tokens.processed_length} "
+                        "processed tokens but no cache sequence"
+                    )
+                seq, cached = self._start(ctx, need)
+            try:
+                self.manager.reserve({seq: tokens.processed_length + tokens.active_length})
+            except CacheFullError as error:
+                if started:
+                    self.manager.release(seq)
+                    if cached:
+                        tokens.rewind_processing(cached)
+                raise InsufficientBlocksError(f"maxkv: {error}") from error
+            if started:
+                self._seqs[ctx.request_id] = seq
+                self._committed[ctx.request_id] = cached
+                if self.manager.prefix_caching and tokens.processed_length < tokens.prompt_length:
+                    prompt = tokens.prompt.tolist()
+                    self._prefilling[ctx.request_id] = (ctx.cache_salt, prompt)
+                ctx.cached_prefix_length = cached
+                self._metrics.cache_tokens += cached
+                self._event("alloc", ctx, seq)
+            self._metrics.input_tokens += tokens.active_length
+        return CompletedTransfer()
+
+    def _start(self, ctx: Any, length: int) -> tuple[int, int]:
+        """Claims a sequence for a fresh request; skips its cached prompt tokens.
+
+        Raises:
+            InsufficientBlocksError: No sequence id is free, or another request
+                is prefilling pages of this prompt that are not cached yet.
+        """
+        try:
+            if self.manager.prefix_caching and ctx.tokens.active_length > 1:
+                prompt = ctx.tokens.all[:length].tolist()
+                self._wait_for_shared_prefill(ctx, prompt)
+                seq, cached = self.manager.claim_prefix(prompt, salt=ctx.cache_salt)
+            else:
+                (seq,), cached = self.manager.claim(1), 0
+        except CacheFullError as error:
+            raise InsufficientBlocksError(f"maxkv: {error} (--max-batch-size)") from error
+        if cached:
+            ctx.tokens.skip_processing(cached)
+        return seq, cached
+
+    def _wait_for_shared_prefill(self, ctx: Any, prompt: list[int]) -> None:
+        """Defers a request whose prompt shares a page or more, beyond what is
+        cached, with a request still prefilling: after that one's step the
+        pages are cached, and this one reuses them (MAX requeues it now and
+        retries with its next batch, which that request is ahead of)."""
+        salt = ctx.cache_salt
+        cached = self.manager.cached_prefix_length(prompt, salt=salt)
+        page = self.manager.prefix_block_size
+        for other, (other_salt, other_prompt) in self._prefilling.items():
+            if other_salt != salt:
+                continue
+            shared = common_prefix_length(prompt[:-1], other_prompt)
+            if shared - shared % page > cached:
+                raise InsufficientBlocksError(
+                    f"maxkv: request {ctx.request_id} waits for request {other} to cache "
+                    f"the {shared} prompt tokens they share ({cached} cached now)"
+                )
+
+    def runtime_inputs(
+        self,
+        batches: Sequence[Sequence[Any]],
+        *,
+        max_cache_length: int | None = None,
+        batch_characteristics: Any = None,
+    ) -> list[KVCacheInputs]:
+        """``fetch`` of the batch's sequences for one step: maxkv's per-device 4-tuples."""
+        del max_cache_length, batch_characteristics
+        if len(batches) != 1:
+            raise ValueError("maxkv: data parallelism (several replica batches) is not supported")
+        (batch,) = batches
+        if not batch:
+            return []
+        seqs = [self._seq(ctx) for ctx in batch]
+        return self.manager.fetch(seqs, 1, active_lengths=[c.tokens.active_length for c in batch])
+
+    def runtime_inputs_for_leaf(
+        self,
+        batches: Sequence[Sequence[Any]],
+        *,
+        max_cache_length: int | None = None,
+        batch_characteristics: Any = None,
+    ) -> tuple[KVCacheInputs, ...]:
+        return tuple(self.runtime_inputs(batches))
+
+    def step(self, ctx: Any) -> None:
+        """Commits the tokens the request processed since the last ``step`` (with
+        their ids, which prefix caching records)."""
+        with self._lock:
+            seq = self._seq(ctx)
+            start = self._committed[ctx.request_id]
+            end = ctx.tokens.processed_length
+            if end < start:
+                raise ValueError(
+                    f"maxkv: request {ctx.request_id} went back from {start} to {end} tokens"
+                )
+            ids = {seq: ctx.tokens.all[start:end].tolist()} if self.manager.prefix_caching else None
+            self.manager.step({seq: end - start}, tokens=ids)
+            self._committed[ctx.request_id] = end
+            if end >= ctx.tokens.prompt_length:
+                self._prefilling.pop(ctx.request_id, None)
+
+    def release(self, ctx: Any) -> None:
+        """Frees the request's sequence (if it started one) and forgets the request."""
+        with self._lock:
+            if ctx.request_id not in self._seqs:
+                raise ValueError(f"maxkv: request {ctx.request_id} is not claimed")
+            seq = self._seqs.pop(ctx.request_id)
+            del self._committed[ctx.request_id]
+            self._prefilling.pop(ctx.request_id, None)
+            if seq is not None:
+                self.manager.release(seq)
+                self._event("release", ctx, seq)
+
+    def contains(self, ctx: Any) -> bool:
+        with self._lock:
+            return ctx.request_id in self._seqs
+
+    def seq_of(self, ctx: Any) -> int | None:
+        """The maxkv sequence a request holds (``None`` before :meth:`alloc`)."""
+        with self._lock:
+            return self._seqs.get(ctx.request_id)
+
+    def _seq(self, ctx: Any) -> int:
+        seq = self._seqs.get(ctx.request_id)
+        if seq is None:
+            raise ValueError(f"maxkv: request {ctx.request_id} holds no sequence (alloc first)")
+        return seq
+
+    # ------------------------------------------------------------ occupancy
+
+    def block_count(self, replica_idx: int = 0) -> Any:
+        """Free and total pages (paged), or slots (contiguous)."""
+        return BlockCount(free=self.free_units, total=self.total_units)
+
+    @property
+    def free_units(self) -> int:
+        """Free pages (paged, cached ones included: they are evictable) or slots."""
+        m = self.manager
+        if isinstance(m, PagedKVCacheManager):
+            return m.free_pages
+        return m.max_batch_size - len(m.cache_lengths)
+
+    @property
+    def total_units(self) -> int:
+        m = self.manager
+        return m.num_pages if isinstance(m, PagedKVCacheManager) else m.max_batch_size
+
+    def num_req_blocks(self, ctx: Any) -> int:
+        return len(self.get_req_blocks_per_leaf(ctx)["0"])
+
+    def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
+        seq = self.seq_of(ctx)
+        if seq is None:
+            return {"0": []}
+        if isinstance(self.manager, PagedKVCacheManager):
+            return {"0": list(self.manager.pages(seq))}
+        return {"0": [seq]}
+
+    @property
+    def effective_max_seq_length(self) -> int | None:
+        m = self.manager
+        if isinstance(m, PagedKVCacheManager):
+            return min(m.max_seq_len, m.num_pages * m.page_size)
+        return m.max_seq_len
+
+    # -------------------------------------------------------- prefix caching
+
+    def get_prefix_cache_hit_counts(self, ctx: Any) -> list[Any]:
+        """The request's cached prefix now, in MAX's pages (no change to anything)."""
+        if not self.manager.prefix_caching or len(ctx.tokens) < 2:
+            return [PrefixCacheHits()]
+        cached = self.manager.cached_prefix_length(ctx.tokens.all.tolist(), salt=ctx.cache_salt)
+        return [PrefixCacheHits(device_blocks=cached // self.params.page_size)]
+
+    def reset_prefix_cache(self) -> None:
+        if self.manager.prefix_caching:
+            self.manager.reset_prefix_cache()
+
+    def take_metrics_aggregated(self) -> Any:
+        """The metrics since the last call (MAX's scheduler logs them per batch), then zero."""
+        with self._lock:
+            metrics, self._metrics = self._metrics, KVCacheMetrics()
+        return metrics
+
+    def get_metrics_aggregated(self) -> Any:
+        return self._metrics
+
+    # ------------------------------------------------ transfers, tiers: none
+
+    def alloc_dummy(self, ctx: Any, replica_idx: int = 0) -> None:
+        raise NotImplementedError("maxkv: data-parallel padding requests are not supported")
+
+    def host_byte_count(self) -> Any:
+        return ByteCount(free=0, total=0)
+
+    def disk_byte_count(self) -> Any:
+        return ByteCount(free=0, total=0)
+
+    def poll_transfers(self) -> None:
+        pass
+
+    def pending_transfers_exist(self, replica_idx: int = 0) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+    def get_device_buffer(self, replica_idx: int) -> Any:
+        raise NotImplementedError("maxkv: the cache is not a MAX KV buffer")
+
+    # -------------------------------------------------------------- events
+
+    def _event(self, event: str, ctx: Any, seq: int) -> None:
+        if self._event_log:
+            record = {
+                "event": event,
+                "request": str(ctx.request_id),
+                "seq_id": seq,
+                "free": self.free_units,
+                "total": self.total_units,
+                "cached_prefix": ctx.cached_prefix_length if event == "alloc" else None,
+                "time": time.time(),
+            }
+            with open(self._event_log, "a") as log:
+                log.write(json.dumps(record) + "\n")

@@ -1,0 +1,320 @@
+"""maxkv's Llama as a MAX ``PipelineModelWithKVCache``.
+
+The model graph is :func:`maxkv.models.llama.build_llama_graph` (the same
+code the demo runs) with ``output="logits"``: the float32 logits of each
+sequence's last token, which MAX's sampler turns into the next token (and
+MAX's log-probability graph into ``logprobs``).  The cache is chosen by the
+environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
+
+- ``paged`` (default): a :class:`~maxkv.PagedKVCacheManager` with as many
+  pages as MAX's memory plan gives the KV cache; prefix caching by page
+  sharing follows MAX's ``--enable-prefix-caching`` (on by default).  Pages
+  hold :func:`tokens_per_page` tokens: ``MAXKV_PAGE_SIZE`` if set, else MAX's
+  ``--kv-cache-page-size`` if it is not MAX's default of 128, else 16.  A
+  prefix is reused in whole pages, and MAX's 128 (sized for GPUs) would
+  recompute up to 127 tokens of every shared system prompt.
+- ``contiguous``: a :class:`~maxkv.ContinuousBatchingKVCacheManager` with one
+  slot of ``--max-length`` tokens per ``--max-batch-size``; with prefix
+  caching, cached rows are copied into a request's slot.
+
+Its inputs reach the graph through
+:class:`~maxkv.serving.pipelines.kv_adapter.MaxkvKVManager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer
+from max.dtype import DType
+from max.nn.transformer import ReturnLogits
+from max.pipelines.architectures.llama3.model_config import Llama3Config
+from max.pipelines.context import TextContext
+from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
+from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
+
+from ...cache.contiguous import ContinuousBatchingKVCacheManager
+from ...cache.paged import PagedKVCacheManager
+from ...cache.params import KVCacheParams
+from ...cache.protocol import KVCacheManagerBase
+from ...models.gguf_file import read_gguf_quantized
+from ...models.llama import LlamaModel, cache_params
+from ...models.loading import load_llama, model_file
+
+#: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
+logger = logging.getLogger("max.pipelines.maxkv")
+
+#: The environment variable that chooses maxkv's cache in MAX's pipelines.
+CACHE_ENV = "MAXKV_CACHE"
+#: Its values; the first is the default.
+CACHE_KINDS = ("paged", "contiguous")
+#: The environment variable that sets the tokens per page of the paged cache.
+PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
+#: Tokens per page unless set (vLLM's default block size).
+DEFAULT_PAGE_SIZE = 16
+#: MAX 26.7's default ``--kv-cache-page-size``.
+MAX_DEFAULT_PAGE_SIZE = 128
+
+
+class CacheDoesNotFitError(ValueError):
+    """maxkv's cache does not fit the memory MAX's plan leaves for the KV cache."""
+
+
+def cache_kind() -> str:
+    """The cache :data:`CACHE_ENV` asks for (default ``paged``).
+
+    Raises:
+        ValueError: If it names no kind of :data:`CACHE_KINDS`.
+    """
+    kind = os.environ.get(CACHE_ENV, CACHE_KINDS[0]).strip().lower() or CACHE_KINDS[0]
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"{CACHE_ENV}={kind!r}: expected one of {', '.join(CACHE_KINDS)}")
+    return kind
+
+
+@dataclass(kw_only=True)
+class MaxkvLlamaInputs(ModelInputs):
+    """One ragged step: token ids, row offsets, and maxkv's cache inputs."""
+
+    tokens: Buffer
+    """int64 ``[total_tokens]`` on the model's device."""
+    input_row_offsets: Buffer
+    """uint32 ``[batch + 1]`` on the model's device."""
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        (kv,) = self.kv_cache_inputs or [()]
+        return (self.tokens, self.input_row_offsets, *kv)
+
+
+class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
+    """A Llama checkpoint on maxkv's graph and cache, for MAX's text-generation pipeline.
+
+    Reads the checkpoint at ``--model-path`` with maxkv's loader (a Hugging
+    Face directory with safetensors, or a GGUF file in the directory), runs
+    float32 on one device, and returns the last token's logits of each
+    sequence (MAX samples from them; MAX's ``LogProbabilitiesMixin`` turns
+    them into ``logprobs``).
+    """
+
+    #: MAX's Llama configuration drives the memory plan and ``kv_params``.
+    model_config_cls = Llama3Config
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.return_logits != ReturnLogits.LAST_TOKEN:
+            raise ValueError(
+                "maxkv.pipelines returns the last token's logits only: --enable-echo and "
+                "all-token logits are not supported"
+            )
+        if len(self.devices) != 1:
+            raise ValueError(f"maxkv.pipelines runs on one device; {len(self.devices)} were given")
+        if self.dtype != DType.float32:
+            raise ValueError(
+                f"maxkv.pipelines runs float32 (--quantization-encoding float32), not {self.dtype}"
+            )
+        path = checkpoint_path(self.pipeline_config)
+        config, weights = load_llama(path)
+        self.config = config
+        params = cache_params(config)
+        session = self._session(args, kwargs)
+        self.maxkv_manager = build_manager(
+            cache_kind(),
+            params,
+            config.num_hidden_layers,
+            self.devices,
+            session,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            page_size=tokens_per_page(self.kv_cache_config.kv_cache_page_size),
+            prefix_caching=self.kv_cache_config.enable_prefix_caching,
+            available=self.memory_plan.available_cache_memory,
+        )
+        source = model_file(path)
+        quantized = read_gguf_quantized(source) if source.is_file() else None
+        self.llama = LlamaModel(
+            config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
+        )
+        logger.info("maxkv: %s, %s", path, describe(self.maxkv_manager))
+
+    @staticmethod
+    def _session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return kwargs["session"] if "session" in kwargs else args[1]
+
+    def _prepare_initial_token_inputs(
+        self,
+        replica_batches: Sequence[Sequence[TextContext]],
+        kv_cache_inputs: Any = None,
+        return_n_logits: int = 1,
+    ) -> MaxkvLlamaInputs:
+        if return_n_logits != 1:
+            raise ValueError("maxkv.pipelines returns one logit row per sequence")
+        if len(replica_batches) != 1:
+            raise ValueError("maxkv.pipelines does not support data parallelism")
+        (batch,) = replica_batches
+        device = self.devices[0]
+        if batch:
+            tokens = np.concatenate([np.asarray(c.tokens.active) for c in batch])
+            lengths = [c.tokens.active_length for c in batch]
+        else:
+            tokens, lengths = np.zeros(0, np.int64), []
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+        return MaxkvLlamaInputs(
+            tokens=Buffer.from_numpy(tokens.astype(np.int64)).to(device),
+            input_row_offsets=Buffer.from_numpy(offsets).to(device),
+            kv_cache_inputs=kv_cache_inputs,
+        )
+
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+        """One model step; the logits of each sequence's last token, float32 ``[batch, vocab]``."""
+        assert isinstance(model_inputs, MaxkvLlamaInputs)
+        if not model_inputs.kv_cache_inputs:  # an empty batch: nothing to run
+            empty = Buffer.from_numpy(np.zeros((0, self.config.vocab_size), np.float32))
+            return ModelOutputs(logits=empty, next_token_logits=empty)
+        (kv,) = model_inputs.kv_cache_inputs
+        logits = self.llama.execute(model_inputs.tokens, model_inputs.input_row_offsets, kv)
+        return ModelOutputs(logits=logits, next_token_logits=logits)
+
+
+def checkpoint_path(pipeline_config: Any) -> Path:
+    """What maxkv loads for ``--model-path``: the directory, or its GGUF weight file."""
+    model = pipeline_config.model
+    weight_paths = [Path(p) for p in model.resolved_weight_paths()]
+    ggufs = [p for p in weight_paths if p.suffix == ".gguf"]
+    if len(ggufs) == 1 and ggufs[0].is_file():
+        return ggufs[0]
+    return Path(model.model_path)
+
+
+def tokens_per_page(kv_cache_page_size: int) -> int:
+    """Tokens per page: :data:`PAGE_SIZE_ENV` if set, else ``--kv-cache-page-size``
+    unless it is MAX's default (which cannot be told from a flag left unset),
+    else :data:`DEFAULT_PAGE_SIZE`.
+
+    Raises:
+        ValueError: If :data:`PAGE_SIZE_ENV` is not a positive int.
+    """
+    value = os.environ.get(PAGE_SIZE_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{PAGE_SIZE_ENV}={value!r}: expected a positive number of tokens")
+        return int(value)
+    if kv_cache_page_size != MAX_DEFAULT_PAGE_SIZE:
+        return kv_cache_page_size
+    return DEFAULT_PAGE_SIZE
+
+
+def build_manager(
+    kind: str,
+    params: KVCacheParams,
+    num_layers: int,
+    devices: list[Any],
+    session: Any,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    page_size: int,
+    prefix_caching: bool,
+    available: int | None,
+) -> KVCacheManagerBase:
+    """maxkv's manager of ``kind`` for MAX's settings.
+
+    Paged: as many pages of ``page_size`` tokens as ``available`` bytes hold
+    (MAX's memory plan for the KV cache; ``None``: enough for every
+    sequence at ``max_seq_len``), and ``2 * max_batch_size`` sequence ids
+    (ids cost nothing; pages bound the cache).  Contiguous: ``max_batch_size``
+    slots of ``max_seq_len`` tokens.
+
+    Raises:
+        CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
+            sequence) needs more than ``available`` bytes.
+    """
+    if kind == "paged":
+        per_page = PagedKVCacheManager.estimated_memory_size(
+            params, page_size, 1, num_layers, devices
+        )
+        pages_per_seq = math.ceil(max_seq_len / page_size)
+        num_pages = max_batch_size * pages_per_seq if available is None else available // per_page
+        if num_pages < pages_per_seq:
+            raise CacheDoesNotFitError(
+                f"maxkv's paged KV cache needs at least {pages_per_seq} pages of {page_size} "
+                f"tokens ({pages_per_seq * per_page / 2**30:.2f} GiB) for one --max-length "
+                f"{max_seq_len} sequence, but the memory plan leaves "
+                f"{(available or 0) / 2**30:.2f} GiB for the KV cache: lower --max-length or "
+                "--kv-cache-page-size"
+            )
+        return PagedKVCacheManager(
+            params,
+            page_size,
+            num_pages,
+            2 * max_batch_size,
+            max_seq_len,
+            num_layers,
+            devices,
+            session,
+            enable_prefix_caching=prefix_caching,
+        )
+    check_cache_fits(
+        ContinuousBatchingKVCacheManager.estimated_memory_size(
+            params, max_batch_size, max_seq_len, num_layers, devices
+        ),
+        available,
+        max_batch_size,
+        max_seq_len,
+    )
+    return ContinuousBatchingKVCacheManager(
+        params,
+        max_batch_size,
+        max_seq_len,
+        num_layers,
+        devices,
+        session,
+        enable_prefix_caching=prefix_caching,
+    )
+
+
+def describe(manager: KVCacheManagerBase) -> str:
+    """One line on the cache, for the log."""
+    prefix = "prefix caching on" if manager.prefix_caching else "prefix caching off"
+    if isinstance(manager, PagedKVCacheManager):
+        size = manager.estimated_memory_size(
+            manager.params,
+            manager.page_size,
+            manager.num_pages,
+            manager.num_layers,
+            manager.devices,
+        )
+        return (
+            f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
+            f"({size / 2**20:.1f} MiB), {prefix}"
+        )
+    assert isinstance(manager, ContinuousBatchingKVCacheManager)
+    size = manager.estimated_memory_size(
+        manager.params,
+        manager.max_cache_batch_size,
+        manager.max_seq_len,
+        manager.num_layers,
+        manager.devices,
+    )
+    return (
+        f"contiguous cache: {manager.max_cache_batch_size} slots x {manager.max_seq_len} tokens "
+        f"({size / 2**20:.1f} MiB), {prefix}"
+    )
+
+
+def check_cache_fits(needed: int, available: int | None, slots: int, max_seq_len: int) -> None:
+    """Raises :class:`CacheDoesNotFitError` when the contiguous cache exceeds the memory plan."""
+    if available is not None and needed > available:
+        raise CacheDoesNotFitError(
+            f"maxkv's contiguous KV cache of {slots} slots x {max_seq_len} tokens "
+            f"(--max-batch-size x --max-length) needs {needed / 2**30:.2f} GiB, but the "
+            f"memory plan leaves {available / 2**30:.2f} GiB for the KV cache: lower "
+            "--max-batch-size or --max-length"
+        )

@@ -1,0 +1,459 @@
+"""Continuous batching with multistep decoding over a :class:`LlamaModel`.
+
+One *round*:
+
+1. Admit waiting requests into free batch rows (``claim``, or
+   ``claim_prefix`` with prefix caching: only the uncached rest of a prompt is
+   computed); their prompts are context-encoded in the same model step in
+   which running requests decode their pending token (a mixed ragged step).
+   A round that admits requests runs one step, so they get their first token
+   at once; other rounds run ``K = min(num_steps, most tokens any request
+   still needs)`` steps per ``fetch``.
+2. Between the steps of a round the next tokens stay on the device: they are
+   the next step's input, and ``increment_cache_lengths`` advances the cache
+   lengths on the device.  No host round trip inside a round.
+3. Read the round's tokens back once (one host sync), ``step`` the tokens
+   written to the cache (with their ids, which prefix caching records),
+   finish requests at ``max_new_tokens`` or an EOS token, ``release`` them.
+
+Over a paged cache (:class:`~maxkv.PagedKVCacheManager`) a request is
+admitted only when the pages it can need at most (every completion's
+prompt and generated tokens, ignoring pages forks share) fit beside those
+of the requests in flight; otherwise it waits for a release, so a fetch
+never runs out of pages.
+
+With a model built with ``output="logits"`` the scheduler samples on the
+host instead (per-request temperature and seeded generator; temperature 0 is
+greedy), one step per round, and a request may ask for ``n`` completions:
+after its prompt is encoded, ``n - 1`` children ``fork`` its cache at
+``len(prompt) - 1`` and each samples its own continuation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from max.driver import Buffer
+
+from ..cache.prefix import common_prefix_length
+from ..cache.protocol import KVCacheManagerBase
+from ..models.llama import LlamaModel
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int, num_steps: int) -> int:
+    """Cache positions a request needs: its prompt, all but its last generated
+    token, and up to ``num_steps - 1`` steps a round may run past its end."""
+    return prompt_len + max_new_tokens + num_steps - 2
+
+
+@dataclass
+class Request:
+    """One generation request (or one completion of it) and its progress."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    n: int = 1
+    seed: int = 0
+    output: list[int] = field(default_factory=list)
+    seq_id: int | None = None
+    #: Tokens to feed in the next step (the prompt's uncached rest, or the
+    #: last generated token), not yet in the cache.
+    pending: list[int] = field(default_factory=list)
+    #: Prompt tokens found in the prefix cache.
+    cached_tokens: int = 0
+    #: Wall time of the round that encoded this request's prompt.
+    prefill_s: float | None = None
+    #: For a forked completion: the request it belongs to and its number.
+    parent: Request | None = None
+    completion: int = 0
+    completions: list[Request] = field(default_factory=list)
+    rng: np.random.Generator | None = None
+    #: Storage units (pages) set aside for this completion at admission.
+    reserved_units: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.output)
+
+
+@dataclass
+class SchedulerStats:
+    """What a run did.  A host sync is one point where the host waits for
+    device results (reading a round's tokens back)."""
+
+    rounds: int = 0
+    model_steps: int = 0
+    generated_tokens: int = 0
+    host_syncs: int = 0
+    batch_slots_used: int = 0
+    max_batch_size: int = 1
+    elapsed_s: float = 0.0
+    prompt_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    forks: int = 0
+    #: Times admission waited for pages held by running requests.
+    page_waits: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def mean_occupancy(self) -> float:
+        """Mean fraction of the batch's rows in use per model step."""
+        steps = self.model_steps * self.max_batch_size
+        return self.batch_slots_used / steps if steps else 0.0
+
+    @property
+    def host_syncs_per_token(self) -> float:
+        return self.host_syncs / self.generated_tokens if self.generated_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "rounds": self.rounds,
+            "model_steps": self.model_steps,
+            "generated_tokens": self.generated_tokens,
+            "host_syncs": self.host_syncs,
+            "host_syncs_per_token": round(self.host_syncs_per_token, 4),
+            "mean_batch_occupancy": round(self.mean_occupancy, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "elapsed_s": round(self.elapsed_s, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "forks": self.forks,
+            "page_waits": self.page_waits,
+        }
+
+
+class ContinuousBatchingScheduler:
+    """Runs requests through a model with at most ``max_batch_size`` in flight.
+
+    Args:
+        model: The compiled model: ``output="tokens"`` decodes greedily on
+            the device (multistep); ``output="logits"`` samples on the host.
+        manager: The cache the model's graph was built for; needs at least
+            ``max_batch_size`` free sequences.  With prefix caching enabled
+            on it, prompts reuse cached prefixes.
+        max_batch_size: Sequences decoded together (completions included).
+        num_steps: Model steps per ``fetch`` (multistep decoding, greedy only).
+        stop_at_eos: Finish a request at the model's EOS token; ``False``
+            always generates ``max_new_tokens`` (for benchmarks).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        manager: KVCacheManagerBase,
+        max_batch_size: int,
+        num_steps: int = 1,
+        *,
+        stop_at_eos: bool = True,
+    ) -> None:
+        if max_batch_size < 1 or num_steps < 1:
+            raise ValueError(
+                f"max_batch_size and num_steps must be >= 1, got {max_batch_size}, {num_steps}"
+            )
+        free = manager.max_batch_size - len(manager.cache_lengths)
+        if max_batch_size > free:
+            raise ValueError(
+                f"max_batch_size {max_batch_size} exceeds the manager's {free} free slots"
+            )
+        self.model = model
+        self.manager = manager
+        self.max_batch_size = max_batch_size
+        self.sampling = getattr(model, "output", "tokens") == "logits"
+        self.num_steps = 1 if self.sampling else num_steps
+        self.eos = set(model.config.eos_token_ids) if stop_at_eos else set()
+        self.prefix_caching = manager.prefix_caching
+        if self.num_steps > 1 or self.prefix_caching:
+            manager.warm_up()  # plan once: keep compiles out of the decode loop
+        self._waiting: deque[Request] = deque()
+        self._requests: list[Request] = []
+        self._reserved_units = 0
+        self._decode_offsets = [
+            Buffer.from_numpy(np.arange(n + 1, dtype=np.uint32)).to(model.device)
+            for n in range(max_batch_size + 1)
+        ]
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        n: int = 1,
+        seed: int = 0,
+    ) -> int:
+        """Queues a request; returns its index (the order of :meth:`run`'s outputs).
+
+        Args:
+            prompt: Token ids.
+            max_new_tokens: Tokens to generate (fewer when EOS comes first).
+            temperature: Sampling temperature (0: greedy); needs a model with
+                ``output="logits"`` when positive.
+            n: Completions of this prompt (forked after its prompt is
+                encoded); needs a ``"logits"`` model when above 1.
+            seed: Seed of the request's generator (completion *i* uses
+                ``seed + i``).
+
+        Raises:
+            ValueError: On an empty prompt, a token outside the vocabulary, a
+                non-positive ``max_new_tokens`` or ``n``, sampling on a
+                greedy model, ``n > 1`` on a cache that cannot copy rows (a
+                GPU cache, see ``copies_supported``), or a request that
+                cannot fit in the cache.
+        """
+        tokens = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not tokens:
+            raise ValueError("prompt must not be empty")
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if (temperature > 0 or n > 1) and not self.sampling:
+            raise ValueError("sampling and n > 1 need a model built with output='logits'")
+        if n > 1 and not self.manager.copies_supported:
+            raise ValueError("n > 1 forks the prompt's cache, which maxkv does on the CPU only")
+        if n > self.max_batch_size:
+            raise ValueError(f"n={n} completions do not fit a batch of {self.max_batch_size}")
+        needed = positions_needed(len(tokens), max_new_tokens, self.num_steps)
+        limit = min(self.manager.max_seq_len, self.model.max_positions)
+        if needed > limit:
+            raise ValueError(
+                f"prompt of {len(tokens)} + {max_new_tokens} new tokens (+{self.num_steps - 1} "
+                f"multistep) needs {needed} cache positions; the limit is {limit}"
+            )
+        units = n * self.manager.storage_units(needed)
+        if units > self.manager.total_storage_units > 0:
+            raise ValueError(
+                f"{n} completion(s) of {needed} cache positions need up to {units} pages; "
+                f"the cache has {self.manager.total_storage_units}"
+            )
+        request = Request(
+            len(self._requests), tokens, max_new_tokens, temperature, n, seed, pending=tokens
+        )
+        request.rng = np.random.default_rng(seed)
+        request.completions = [request]
+        self._requests.append(request)
+        self._waiting.append(request)
+        return request.index
+
+    def run(
+        self,
+        on_round: Callable[[SchedulerStats, int], None] | None = None,
+        on_complete: Callable[[int, list[int]], None] | None = None,
+    ) -> tuple[list[list[int]], SchedulerStats]:
+        """Runs every submitted request to completion.
+
+        Args:
+            on_round: Called after each round with the stats so far and the
+                number of tokens that round generated (for progress bars).
+            on_complete: Called when a request finishes (all its completions),
+                with its index and its first completion's ids (ending with
+                the EOS token if it stopped there).
+
+        Returns:
+            The generated ids of each request (its first completion), in
+            submission order, and the stats; :meth:`completions` has all.
+        """
+        stats = SchedulerStats(max_batch_size=self.max_batch_size)
+        running: list[Request] = []
+        start = time.perf_counter()
+        while self._waiting or running:
+            new = self._admit(len(running), stats)
+            if not running and not new:
+                raise RuntimeError("no request could be admitted: the cache has no room")
+            batch = running + new
+            round_start = time.perf_counter()
+            produced = self._round(batch, stats, prefill=bool(new))
+            round_s = time.perf_counter() - round_start
+            # Other completions fork their prompt's cache while it is still held.
+            running = self._fork_completions(new, stats)
+            for request in batch:
+                if request.prefill_s is None:
+                    request.prefill_s = round_s
+                if request.remaining > 0 and (not self.eos or request.output[-1] not in self.eos):
+                    running.append(request)
+                else:
+                    self.manager.release(_seq_id(request))
+                    request.seq_id = None
+                    self._reserved_units -= request.reserved_units
+                    request.reserved_units = 0
+                    self._finish(request, on_complete)
+            stats.elapsed_s = time.perf_counter() - start
+            if on_round is not None:
+                on_round(stats, produced)
+        return [list(r.output) for r in self._requests], stats
+
+    def completions(self) -> list[list[list[int]]]:
+        """Every completion of every request, in submission order."""
+        return [[list(c.output) for c in r.completions] for r in self._requests]
+
+    def requests(self) -> list[Request]:
+        """The submitted requests (with their timing and prefix-cache figures)."""
+        return list(self._requests)
+
+    # ------------------------------------------------------------ admission
+
+    def _admit(self, running: int, stats: SchedulerStats) -> list[Request]:
+        room = self.max_batch_size - running
+        new: list[Request] = []
+        while len(new) < room and self._waiting:
+            request = self._waiting[0]
+            if self.prefix_caching and new and self._shares_uncached_prefix(request, new):
+                break  # wait one round: the shared prefix is computed once, then reused
+            # Room for the request and the completions it will fork.
+            if len(new) + request.n > room:
+                break
+            units = self.manager.storage_units(
+                positions_needed(len(request.prompt), request.max_new_tokens, self.num_steps)
+            )
+            total = self.manager.total_storage_units
+            if total and self._reserved_units + request.n * units > total:
+                stats.page_waits += 1
+                break  # wait for a release: the pages it may need are not all free
+            self._reserved_units += request.n * units
+            request.reserved_units = units
+            self._waiting.popleft()
+            if self.prefix_caching:
+                seq_id, cached = self.manager.claim_prefix(request.prompt)
+                request.seq_id, request.cached_tokens = seq_id, cached
+                request.pending = request.prompt[cached:]
+                stats.prefix_cache_hit_tokens += cached
+            else:
+                (request.seq_id,) = self.manager.claim(1)
+            stats.prompt_tokens += len(request.prompt)
+            new.append(request)
+        return new
+
+    def _shares_uncached_prefix(self, request: Request, admitted: list[Request]) -> bool:
+        cached = self.manager.cached_prefix_length(request.prompt)
+        block = self.manager.prefix_block_size
+        for other in admitted:
+            shared = common_prefix_length(request.prompt, other.prompt)
+            if shared - cached >= block:
+                return True
+        return False
+
+    def _fork_completions(self, new: list[Request], stats: SchedulerStats) -> list[Request]:
+        """Forks the other completions of requests whose prompt was just encoded.
+
+        Each child holds the prompt but its last token, which it feeds in its
+        first step, so it samples its own first token from the same logits.
+        """
+        children = []
+        for request in new:
+            if request.parent is not None or request.n == 1:
+                continue
+            for i in range(1, request.n):
+                child = Request(
+                    request.index,
+                    request.prompt,
+                    request.max_new_tokens,
+                    request.temperature,
+                    1,
+                    request.seed + i,
+                    pending=[request.prompt[-1]],
+                    parent=request,
+                    completion=i,
+                )
+                child.rng = np.random.default_rng(request.seed + i)
+                child.reserved_units = request.reserved_units
+                child.seq_id = self.manager.fork(_seq_id(request), len(request.prompt) - 1)
+                child.cached_tokens = len(request.prompt) - 1
+                request.completions.append(child)
+                stats.forks += 1
+                children.append(child)
+        return children
+
+    def _finish(
+        self, request: Request, on_complete: Callable[[int, list[int]], None] | None
+    ) -> None:
+        owner = request.parent or request
+        done = all(c.seq_id is None and c.output for c in owner.completions)
+        done = done and len(owner.completions) == owner.n
+        if done and on_complete is not None:
+            on_complete(owner.index, list(owner.output))
+
+    # ---------------------------------------------------------------- steps
+
+    def _round(self, batch: list[Request], stats: SchedulerStats, prefill: bool) -> int:
+        first_tokens = [r.pending for r in batch]
+        active = [len(t) for t in first_tokens]
+        steps = 1 if prefill else min(self.num_steps, max(r.remaining for r in batch))
+        seq_ids = [_seq_id(r) for r in batch]
+        kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
+
+        device = self.model.device
+        tokens = Buffer.from_numpy(np.concatenate(first_tokens).astype(np.int64)).to(device)
+        offsets = Buffer.from_numpy(np.concatenate([[0], np.cumsum(active)]).astype(np.uint32)).to(
+            device
+        )
+        outputs: list[Buffer] = []
+        for step in range(steps):
+            result = self.model.execute(tokens, offsets, kv[0])
+            outputs.append(result)
+            stats.model_steps += 1
+            stats.batch_slots_used += len(batch)
+            if step + 1 < steps:
+                kv = self.manager.increment_cache_lengths(kv, (tokens, offsets))
+                tokens, offsets = result, self._decode_offsets[len(batch)]
+
+        # The round's only host sync: read every step's results back at once.
+        if self.sampling:
+            generated = self._sample(batch, outputs[0].to_numpy())[:, None]
+        else:
+            generated = np.stack([o.to_numpy() for o in outputs], axis=1)
+        stats.host_syncs += 1
+        stats.rounds += 1
+        committed = {
+            s: list(first) + [int(t) for t in row[: steps - 1]]
+            for s, first, row in zip(seq_ids, first_tokens, generated, strict=True)
+        }
+        self.manager.step(
+            {s: len(ids) for s, ids in committed.items()},
+            tokens=committed if self.prefix_caching else None,
+        )
+        produced = 0
+        for request, row in zip(batch, generated, strict=True):
+            for token in row.tolist():
+                if request.remaining == 0 or (
+                    request.output and self.eos and request.output[-1] in self.eos
+                ):
+                    break
+                request.output.append(int(token))
+                produced += 1
+            request.pending = [int(row[-1])]
+        stats.generated_tokens += produced
+        return produced
+
+    def _sample(self, batch: list[Request], logits: np.ndarray) -> np.ndarray:
+        """One token per row: argmax at temperature 0, else a seeded softmax draw."""
+        chosen = np.empty(len(batch), dtype=np.int64)
+        for row, request in enumerate(batch):
+            if request.temperature == 0:
+                chosen[row] = int(np.argmax(logits[row]))
+                continue
+            scaled = logits[row].astype(np.float64) / request.temperature
+            probs = np.exp(scaled - scaled.max())
+            probs /= probs.sum()
+            assert request.rng is not None
+            chosen[row] = int(request.rng.choice(len(probs), p=probs))
+        return chosen
+
+
+def _seq_id(request: Request) -> int:
+    if request.seq_id is None:
+        raise RuntimeError(f"request {request.index} holds no cache slot")
+    return request.seq_id

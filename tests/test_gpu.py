@@ -1,0 +1,120 @@
+"""maxkv on a GPU, against the float64 NumPy references (skipped without a GPU).
+
+- The attention ops (fused QKV matmul into the cache, RoPE, flash attention)
+  over both caches, four ragged steps on two layers, against
+  ``tests/reference.py``.
+- A two-layer Llama through the scheduler: the greedy tokens of
+  :func:`maxkv.models.reference.greedy_reference`.
+
+``pytest -m gpu`` on a machine with a GPU runs them; each graph compiles on
+the device first (minutes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import CPU, Accelerator, Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType
+
+from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
+from maxkv import ops as kvops
+from maxkv.cache.protocol import KVCacheManagerBase
+from maxkv.kernels import kernels_path
+from maxkv.models import LlamaModel
+from maxkv.models.config import default_llama
+from maxkv.models.llama import cache_params
+from maxkv.models.reference import greedy_reference
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
+
+from .reference import ReferenceLayerCache
+
+pytestmark = pytest.mark.gpu
+
+#: Query heads, KV heads, head_dim, hidden: head_dim 16, where MAX's GPU flash
+#: attention computes in full precision (at 64 it uses reduced-precision products).
+SHAPE = (4, 2, 16, 32)
+LAYERS, POSITIONS, THETA = 2, 64, 10000.0
+STEPS = ([5, 3, 7], [1, 1, 1], [1, 1, 1], [2, 1, 4])
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Device:
+    return Accelerator()
+
+
+def make_manager(
+    kind: str, params: KVCacheParams, device: Device, session: InferenceSession
+) -> KVCacheManagerBase:
+    if kind == "contiguous":
+        return ContinuousBatchingKVCacheManager(params, 4, 32, LAYERS, [device], session)
+    return PagedKVCacheManager(params, 8, 32, 4, 32, LAYERS, [device], session)
+
+
+def attention_graph(manager: KVCacheManagerBase, session: InferenceSession) -> Model:
+    heads, kv_heads, head_dim, hidden = SHAPE
+    params, ref = manager.params, DeviceRef.from_device(manager.devices[0])
+    types = [
+        *manager.input_symbols()[0],
+        TensorType(DType.float32, ["tokens", hidden], ref),
+        TensorType(DType.uint32, ["offsets"], ref),
+        TensorType(DType.float32, [(heads + 2 * kv_heads) * head_dim, hidden], ref),
+        TensorType(DType.float32, [POSITIONS, head_dim], ref),
+        TensorType(DType.uint32, [], DeviceRef.CPU()),
+    ]
+    with Graph("gpu_attention", input_types=types, custom_extensions=[kernels_path()]) as g:
+        *cache, x, offsets, wqkv, freqs, layer = (v.tensor for v in g.inputs)
+        kv = manager.collection_fetcher()(*cache)
+        q = kvops.fused_qkv_ragged_matmul(params, x, offsets, wqkv, kv, layer)
+        q = q.reshape(["tokens", heads, head_dim])
+        q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, layer, interleaved=False)
+        g.output(q, kvops.flash_attention_ragged(params, q, offsets, kv, layer))
+    return session.load(g)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_attention_ops_on_the_gpu_match_numpy(kind: str, gpu: Device) -> None:
+    heads, kv_heads, head_dim, hidden = SHAPE
+    session = InferenceSession(devices=[CPU(), gpu])
+    manager = make_manager(kind, KVCacheParams(DType.float32, kv_heads, head_dim), gpu, session)
+    model = attention_graph(manager, session)
+    rng = np.random.default_rng(0)
+    reference = ReferenceLayerCache()
+    rows = (heads + 2 * kv_heads) * head_dim
+    wqkv = [rng.standard_normal((rows, hidden)).astype(np.float32) * 0.25 for _ in range(LAYERS)]
+    freqs = kvops.rope_freqs_cis(head_dim, POSITIONS, THETA)
+    seqs = manager.claim(3)
+    for new in STEPS:
+        for layer in range(LAYERS):
+            x = rng.standard_normal((sum(new), hidden)).astype(np.float32)
+            offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+            (inputs,) = manager.fetch(seqs, active_lengths=new)
+            outputs = model.execute(
+                *inputs,
+                *(Buffer.from_numpy(a).to(gpu) for a in (x, offsets, wqkv[layer], freqs)),
+                Buffer.from_numpy(np.array(layer, dtype=np.uint32)),
+            )
+            expected = reference.step(
+                layer, seqs, x, new, wqkv[layer], heads, kv_heads, head_dim, THETA, False
+            )
+            for got, want in zip(outputs, expected[:2], strict=True):
+                got_host = got.to(CPU()).to_numpy().reshape(want.shape)
+                np.testing.assert_allclose(got_host, want, atol=1e-4, rtol=1e-4)
+        manager.step(dict(zip(seqs, new, strict=True)))
+
+
+def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) -> None:
+    config, weights = default_llama()
+    prompts = [[1, 5, 9, 200, 3], [7, 7, 100], [42]]
+    session = InferenceSession(devices=[gpu])
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), len(prompts), 64, 2, [gpu], session
+    )
+    model = LlamaModel(config, weights, manager, session)
+    scheduler = ContinuousBatchingScheduler(model, manager, len(prompts), stop_at_eos=False)
+    for prompt in prompts:
+        scheduler.submit(prompt, 6)
+    outputs, _ = scheduler.run()
+    assert outputs == [greedy_reference(config, weights, p, 6) for p in prompts]
