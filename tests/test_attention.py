@@ -17,7 +17,7 @@ import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType
+from max.graph import DeviceRef, Graph, TensorType, TensorValue
 
 from maxkv import (
     ContinuousBatchingKVCacheManager,
@@ -26,6 +26,7 @@ from maxkv import (
 )
 from maxkv import ops as kvops
 from maxkv.cache.protocol import KVCacheManagerBase
+from maxkv.graph import KVCacheCollection
 
 from .reference import ReferenceLayerCache
 
@@ -551,3 +552,27 @@ def test_ops_validate_at_graph_build(
 ) -> None:
     with pytest.raises(error, match=message):
         graph_values(call)
+
+
+def test_row_offsets_are_checked_once_per_graph(graph_values: Callable[..., object]) -> None:
+    """Two layers' ops over one (collection, offsets) pair emit one step check, ahead of
+    the first op on the device chain; other offsets get a check of their own."""
+
+    def two_layers(
+        p: KVCacheParams, kv: KVCacheCollection, x: TensorValue, o: TensorValue, w: TensorValue,
+        *_: object,
+    ) -> tuple[str, str]:  # fmt: skip
+        for layer in (0, 1):
+            q = kvops.fused_qkv_ragged_matmul(p, x, o, w, kv, layer)
+            kvops.flash_attention_ragged(p, q.reshape(["total_tokens", 4, 16]), o, kv, layer)
+        two = str(Graph.current)
+        kvops.flash_attention_ragged(p, q.reshape(["total_tokens", 4, 16]), o + 0, kv, 0)
+        return two, str(Graph.current)
+
+    result = graph_values(two_layers)
+    assert isinstance(result, tuple)
+    two, three = result
+    assert two.count("maxkv.check_row_offsets") == 1
+    assert two.index("maxkv.check_row_offsets") < two.index("maxkv.fused_qkv_ragged_matmul")
+    assert two.count("maxkv.flash_attention_ragged") == 2
+    assert three.count("maxkv.check_row_offsets") == 2

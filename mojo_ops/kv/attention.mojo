@@ -24,7 +24,7 @@ from nn.fused_qk_rope import fused_qk_rope_ragged
 
 from max.gpu.host.info import is_cpu
 
-from .checks import check_layer, check_rows
+from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
 from .decode_attention import decode_applies, decode_attention
 from .kv_trait import MaxkvKVCollection
@@ -47,7 +47,7 @@ def fused_qkv_matmul[
 ) raises:
     """`output` = Q of `input @ wqkv.T`; K and V are written into the cache of `layer_idx`."""
     var layer = check_layer(kv, layer_idx)
-    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    check_row_count[target](kv, input_row_offsets, input.dim_size(0))
     var view = kv.view()
     _fused_qkv_matmul_kv_cache_ragged[C.View.CacheType, target=target](
         input.to_tile_tensor(),
@@ -77,7 +77,7 @@ def fused_qk_rope[
 ) raises:
     """Rotary embedding on Q (returned) and, in place, on the K just written."""
     var layer = check_layer(kv, layer_idx)
-    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    check_row_count[target](kv, input_row_offsets, input.dim_size(0))
     var view = kv.view()
     fused_qk_rope_ragged[C.View.CacheType, interleaved=interleaved, target=target](
         input.to_tile_tensor(),
@@ -115,7 +115,7 @@ def flash_attention[
     cached token, which is what `decode_attention` computes.
     """
     var layer = check_layer(kv, layer_idx)
-    check_rows[target](kv, input_row_offsets, input.dim_size(0))
+    check_row_count[target](kv, input_row_offsets, input.dim_size(0))
     comptime if is_cpu[target]():
         if decode_applies[head_dim](
             input_row_offsets, kv.batch(), input.dim_size(1), kv_heads

@@ -13,7 +13,7 @@ from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.complex import ComplexSIMD
 
-from .checks import check_layer, check_rows
+from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
@@ -146,7 +146,7 @@ def _check_qkv[
     """Checks `store_kv`'s inputs against the cache; returns the layer."""
     var layer = Int(check_layer(kv, layer_idx))
     var tokens = qkv.dim_size(0)
-    check_rows[target](kv, input_row_offsets, tokens)
+    check_row_count[target](kv, input_row_offsets, tokens)
     var q_width = output.dim_size(1)
     if (
         output.dim_size(0) != tokens
@@ -263,7 +263,7 @@ def write_kv[
     comptime kv_width = num_heads * head_dim
     var layer = Int(check_layer(kv, layer_idx))
     var tokens = keys.dim_size(0)
-    check_rows[target](kv, input_row_offsets, tokens)
+    check_row_count[target](kv, input_row_offsets, tokens)
     if (
         values.dim_size(0) != tokens
         or keys.dim_size(1) != kv_width

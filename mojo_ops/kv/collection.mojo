@@ -165,8 +165,8 @@ struct ContinuousBatchingKVCacheCollection[
 
         Reads `cache_lengths` and `lookup_table`, so it must only be called
         where they are host memory (CPU targets).  Guards against tensors
-        built by hand, not by the manager.  Each op checks its new tokens
-        (`checks.check_rows`).
+        built by hand, not by the manager.  The step's new tokens are checked
+        once per step (`checks.check_rows`).
         """
         for b in range(self.batch_size):
             var slot = self.lookup_table[b]

@@ -3,8 +3,9 @@
 `flash_attention` (attention.mojo) calls `decode_attention` when every sequence
 of the step has exactly one new token, the target is the CPU, the query heads
 per KV head are at most `MAX_GROUP` and `head_dim` is a multiple of the SIMD
-width; MAX's generic kernel runs otherwise.  The bounds checks (`check_layer`,
-`check_rows`) have run before: every row read here has storage.
+width; MAX's generic kernel runs otherwise.  The bounds checks (the step's
+`check_rows`, the op's `check_layer` and `check_row_count`) have run before:
+every row read here has storage.
 
 The work is cut into items `(sequence b, context split [start, end))`, each
 covering every KV head: a K or V row `[kv_heads, head_dim]` is contiguous in

@@ -12,8 +12,8 @@ Protocol (`maxkv.PagedKVCacheManager`, steps written in `maxkv/cache/protocol.py
    into a `PagedKVCacheCollection`; on CPU it checks that every page a
    sequence's cached tokens sit in is a real page.
 3. Ops call `view()`, MAX's own `kv_cache.types.PagedKVCacheCollection`, or
-   `row_ptr()` for maxkv's own kernels; each op checks the pages of its new
-   tokens (`checks.check_rows`) before it writes.
+   `row_ptr()` for maxkv's own kernels; the pages of the step's new tokens
+   are checked once per step (`checks.check_rows`) before any op writes.
 """
 
 import extensibility

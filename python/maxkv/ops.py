@@ -30,6 +30,7 @@ from .cpu.linear import (
 from .graph.ops import (
     MaskVariant,
     cache_lengths,
+    check_row_offsets,
     copy_tokens,
     flash_attention_ragged,
     fused_qk_ragged_rope,
@@ -46,6 +47,7 @@ __all__ = [
     "GreedyHeadLayout",
     "MaskVariant",
     "cache_lengths",
+    "check_row_offsets",
     "copy_tokens",
     "flash_attention_ragged",
     "fused_qk_ragged_rope",

@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 from max.dtype import DType
-from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from max.graph.dim import DimLike
 
 from ..cache.params import KVCacheParams
@@ -92,9 +92,42 @@ _MASKS: tuple[str, ...] = ("causal", "null")
 _ROPE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 
 
-def _check_row_offsets(input_row_offsets: object, device: DeviceRef) -> TensorValue:
+def check_row_offsets(
+    params: KVCacheParams, kv_collection: KVCacheCollection, input_row_offsets: TensorValue
+) -> TensorValue:
+    """Checks a step's ragged layout against the collection, once per graph.
+
+    Emits ``maxkv[.paged].check_row_offsets``: at run time (CPU) the offsets
+    must start at 0 and not decrease, no sequence may bring more than
+    ``max_lengths[0, 0]`` new tokens, and every sequence's ``cache_length +
+    new tokens`` must have storage; otherwise the graph raises before any
+    later op on the device runs (the check is an in-place op, so it sits on
+    the device's chain ahead of them).  On GPU only the offsets' count is
+    checked.  Every op here calls this for its offsets; the first call for a
+    (collection, offsets) pair in a graph emits the check, later calls emit
+    nothing, so a model's layers share one check per step.  Each op still
+    checks, in O(1), that the offsets end at its own input's row count.
+
+    Args:
+        params: The cache parameters the collection was built with.
+        kv_collection: The collection.
+        input_row_offsets: uint32 ``[batch + 1]`` on the collection's device.
+
+    Returns:
+        ``input_row_offsets``, for the ops to take.
+    """
+    collection = _check_collection(params, kv_collection)
     offsets = check_tensor("input_row_offsets", input_row_offsets, DType.uint32, 1)
-    check_on("input_row_offsets", offsets, device)
+    check_on("input_row_offsets", offsets, collection.device)
+    key = (Graph.current, offsets._mlir_value)
+    if key not in collection.rows_checked:
+        ops.inplace_custom(
+            collection.op_name("check_row_offsets"),
+            device=collection.device,
+            values=[offsets, collection],
+            parameters=collection.op_parameters(),
+        )
+        collection.rows_checked.add(key)
     return offsets
 
 
@@ -154,7 +187,7 @@ def _check_query(
     collection = _check_collection(params, kv_collection)
     device = collection.device
     query = check_tensor("input", input, params.dtype, 3)
-    offsets = _check_row_offsets(input_row_offsets, device)
+    offsets = check_row_offsets(params, collection, input_row_offsets)
     _query_heads(params, "input", static_dim("input", query, 1))
     if static_dim("input", query, 2) != params.head_dim:
         raise ValueError(f"input dim 2 must be head_dim = {params.head_dim}, got {query.shape[2]}")
@@ -197,7 +230,7 @@ def fused_qkv_ragged_matmul(
     device = kv_collection.device
     check_tensor("input", input, params.dtype, 2)
     check_tensor("wqkv", wqkv, params.dtype, 2)
-    offsets = _check_row_offsets(input_row_offsets, device)
+    offsets = check_row_offsets(params, kv_collection, input_row_offsets)
     check_on("input", input, device)
     check_on("wqkv", wqkv, device)
     rows = static_dim("wqkv", wqkv, 0)
@@ -377,7 +410,7 @@ def store_kv_ragged(
     if not device.is_cpu():
         raise ValueError("store_kv_ragged runs on CPU; use fused_qkv_ragged_matmul on GPU")
     check_tensor("qkv", qkv, params.dtype, 2)
-    offsets = _check_row_offsets(input_row_offsets, device)
+    offsets = check_row_offsets(params, kv_collection, input_row_offsets)
     width = static_dim("qkv", qkv, 1)
     kv_width = params.n_kv_heads_per_device * params.head_dim
     q_width = width - 2 * kv_width
@@ -439,7 +472,7 @@ def write_kv_ragged(
         if static_dim(name, value, 1) != kv_width:
             raise ValueError(f"{name} dim 1 must be n_kv_heads_per_device * head_dim = {kv_width}")
         check_on(name, value, device)
-    offsets = _check_row_offsets(input_row_offsets, device)
+    offsets = check_row_offsets(params, collection, input_row_offsets)
     return ops.inplace_custom(
         collection.op_name("write_kv_ragged"),
         device=device,

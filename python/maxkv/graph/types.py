@@ -120,6 +120,11 @@ class KVCacheCollection(_OpaqueValue):
             params = params or value._params
         self._device: DeviceRef | None = device
         self._params: KVCacheParams | None = params
+        #: The (graph, row offsets) pairs whose step check this collection's
+        #: ops already emitted (see :func:`maxkv.graph.ops.check_row_offsets`).
+        self.rows_checked: set[tuple[object, object]] = (
+            value.rows_checked if isinstance(value, KVCacheCollection) else set()
+        )
 
     @property
     def params(self) -> KVCacheParams:
