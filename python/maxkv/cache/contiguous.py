@@ -25,12 +25,18 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from max.driver import Buffer, Device
+from max.driver import Device
 from max.engine import InferenceSession
 
 from .params import KVCacheParams
 from .prefix import PrefixIndex
-from .protocol import CacheDevice, KVCacheManagerBase, require_int, validate_sizes
+from .protocol import (
+    CacheDevice,
+    KVCacheManagerBase,
+    device_inputs,
+    require_int,
+    validate_sizes,
+)
 from .spec import CacheSpec, KVCacheInputs
 
 __all__ = ["ContinuousBatchingKVCacheManager"]
@@ -250,16 +256,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
     ) -> list[KVCacheInputs]:
         slots = np.array(seq_ids, dtype=np.uint32)
-        max_lengths_buffer = Buffer.from_numpy(max_lengths)
-        return [
-            KVCacheInputs(
-                blocks,
-                Buffer.from_numpy(lengths.copy()).to(device),
-                Buffer.from_numpy(slots.copy()).to(device),
-                max_lengths_buffer,
-            )
-            for blocks, device in zip(self._blocks, self.devices, strict=True)
-        ]
+        return device_inputs(self._blocks, self.devices, lengths, slots, max_lengths)
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         if self._prefix is not None:

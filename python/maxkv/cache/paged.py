@@ -41,14 +41,20 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from max.driver import Buffer, Device
+from max.driver import Device
 from max.engine import InferenceSession
 
 from ..errors import CacheFullError
 from .page_pool import PagePool
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
-from .protocol import CacheDevice, KVCacheManagerBase, require_int, validate_sizes
+from .protocol import (
+    CacheDevice,
+    KVCacheManagerBase,
+    device_inputs,
+    require_int,
+    validate_sizes,
+)
 from .spec import CacheSpec, KVCacheInputs
 
 __all__ = ["UNUSED_PAGE", "PagedKVCacheManager"]
@@ -375,13 +381,4 @@ class PagedKVCacheManager(KVCacheManagerBase):
         table = np.full((len(page_lists), self.max_pages_per_seq), UNUSED_PAGE, dtype=np.uint32)
         for row, held in enumerate(page_lists):
             table[row, : len(held)] = held
-        max_lengths_buffer = Buffer.from_numpy(max_lengths)
-        return [
-            KVCacheInputs(
-                pages,
-                Buffer.from_numpy(lengths.copy()).to(device),
-                Buffer.from_numpy(table.copy()).to(device),
-                max_lengths_buffer,
-            )
-            for pages, device in zip(self._pages, self.devices, strict=True)
-        ]
+        return device_inputs(self._pages, self.devices, lengths, table, max_lengths)

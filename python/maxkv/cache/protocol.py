@@ -774,6 +774,28 @@ def _max_cache_device(
     return MaxCacheDevice(spec, devices, session)
 
 
+def device_inputs(
+    storage: Sequence[Buffer],
+    devices: Sequence[Device],
+    lengths: np.ndarray,
+    table: np.ndarray,
+    max_lengths: np.ndarray,
+) -> list[KVCacheInputs]:
+    """One :class:`KVCacheInputs` per device: that device's storage, copies of
+    ``lengths`` and the lookup or page ``table`` moved to it, and ``max_lengths``
+    as one host buffer shared by every device."""
+    max_lengths_buffer = Buffer.from_numpy(max_lengths)
+    return [
+        KVCacheInputs(
+            blocks,
+            Buffer.from_numpy(lengths.copy()).to(device),
+            Buffer.from_numpy(table.copy()).to(device),
+            max_lengths_buffer,
+        )
+        for blocks, device in zip(storage, devices, strict=True)
+    ]
+
+
 def validate_sizes(
     params: KVCacheParams,
     max_batch_size: int,
