@@ -12,11 +12,16 @@ Every test carries exactly one tier marker (checked at collection):
 - ``serve``: starts ``max generate`` / ``max serve`` processes;
 - ``gpu``: needs a GPU (skipped without one).
 
+A test that starts a real ``redis-server`` also carries the ``redis`` marker
+(not a tier); it skips, with the reason, where the binary is absent.
+
 ``pytest -m unit`` is the fast tier; the README's command runs them all.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from maxkv import (
 from maxkv.cache.protocol import CacheDevice
 from maxkv.models import LlamaModel
 from maxkv.models.resolve import LoadedModel
+from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 #: What the reliability tests exercised; printed in pytest's terminal summary.
 RELIABILITY_COUNTS: Counter[str] = Counter()
@@ -56,6 +62,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             bad.append(f"{item.nodeid}: {tiers or 'no tier'}")
         if tiers == ["gpu"] and not _has_gpu():
             item.add_marker(pytest.mark.skip(reason="needs a GPU visible to MAX"))
+        if item.get_closest_marker("redis") and shutil.which("redis-server") is None:
+            item.add_marker(
+                pytest.mark.skip(reason="needs redis-server (apt-get install redis-server)")
+            )
     if bad:
         raise pytest.UsageError(
             "every test needs exactly one tier marker of "
@@ -63,6 +73,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + ":\n"
             + "\n".join(bad)
         )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Undoes what importing ``max.nn`` does to the C environment (it sets
+    ``PYTHONEXECUTABLE`` to the base interpreter and ``PYTHONPATH=":"`` there,
+    outside ``os.environ``), so that a test's subprocesses start in this venv."""
+    for name in ("PYTHONEXECUTABLE", "PYTHONPATH"):
+        if name not in os.environ:
+            os.unsetenv(name)
 
 
 def _has_gpu() -> bool:
@@ -221,3 +240,13 @@ def lengths_model(
         )
         graph.output(maxkv.ops.cache_lengths(params, collection))
     yield LengthsModel(config, session.load(graph))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, stopped after the test."""
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()

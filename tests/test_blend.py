@@ -217,3 +217,25 @@ def test_blend_at_ratio_one_equals_full_prefill(rag_runner, smollm2: LoadedModel
         assert computed[1] == computed[-1] < 0.3 * len(prompt.tokens)
         assert len(partial.tokens) >= 1
     assert rag_runner.manager.slots_remaining == 2  # every slot released
+
+
+@pytest.mark.unit
+def test_chunk_store_shares_chunks_through_redis_and_refuses_other_models() -> None:
+    import fakeredis
+
+    from maxkv.tiers import TierConfig
+
+    client = fakeredis.FakeRedis()
+    config = TierConfig(model_id="fake", redis_url="redis://fake:0/0", redis_client=client)
+    first = ChunkKVStore(_FakePrefill(), tiers=config)  # type: ignore[arg-type]
+    key = first.store([5, 6, 7])
+    first.close()
+    other_process = ChunkKVStore(_FakePrefill(), tiers=config)  # type: ignore[arg-type]
+    calls = _FakePrefill.calls
+    k, v, start = other_process.get(key)  # type: ignore[misc]
+    np.testing.assert_array_equal(k[1, :, 0, 1], [5, 6, 7])
+    np.testing.assert_array_equal(v, -k)
+    assert start == 0 and _FakePrefill.calls == calls  # read, not recomputed
+    assert other_process.tiers.stats.redis_hits == 1
+    other_model = TierConfig(model_id="another", redis_url="redis://fake:0/0", redis_client=client)
+    assert ChunkKVStore(_FakePrefill(), tiers=other_model).get(key) is None  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ import pytest
 from max.dtype import DType
 
 from maxkv import KVCacheParams
+from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 from . import fakes
 from .conftest import requires_transformers
@@ -349,10 +351,11 @@ SERVER_FLAGS = (
 )
 
 
-@pytest.fixture(scope="module")
-def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextmanager
+def running_server(
+    model: Path, directory: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[Server]:
     """``max serve`` on maxkv (paged, prefix caching) on 127.0.0.1; stopped in a ``finally``."""
-    directory = tmp_path_factory.mktemp("serve")
     port = _free_port()
     events, log_path = directory / "events.jsonl", directory / "serve.log"
     log = log_path.open("w")
@@ -361,12 +364,13 @@ def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         **OFFLINE,
         "MAXKV_EVENT_LOG": str(events),
         "MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S": "0",  # a log line per batch
+        **(extra_env or {}),
     }
     server = subprocess.Popen(
         [
             MAX_CLI,
             "serve",
-            *max_pipeline_args(tiny_llama_dir, *SERVER_FLAGS),
+            *max_pipeline_args(model, *SERVER_FLAGS),
             *("--host", "127.0.0.1", "--port", str(port)),
         ],
         stdout=log,
@@ -385,7 +389,7 @@ def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(2)
-        yield Server(url, events, log_path, tiny_llama_dir)
+        yield Server(url, events, log_path, model)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -395,6 +399,13 @@ def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the module's tests."""
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve")) as server:
+        yield server
 
 
 def complete(server: Server, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
@@ -550,3 +561,35 @@ def test_max_serve_aborted_streams_free_their_pages(max_server: Server) -> None:
     assert body["choices"][0]["text"] == transformers_completion(
         max_server.model, "hello world", NEW_TOKENS
     )
+
+
+@pytest.mark.serve
+@pytest.mark.redis
+def test_two_max_serve_replicas_share_a_prefix_through_redis(
+    tiny_llama_dir: Path, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A second server pointed at the first's Redis (MAXKV_REDIS_URL) starts with the
+    shared prefix: its first request loads 7 pages instead of computing them."""
+    import redis
+
+    env = {"MAXKV_REDIS_URL": redis_server.url}
+    client = redis.Redis.from_url(redis_server.url)
+    first_prompt, second_prompt = SHARED + "Hi?", SHARED + "What is 2+2?"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with running_server(tiny_llama_dir, tmp_path / "a", env) as first:
+        status, body = complete(first, first_prompt)
+        assert status == 200, body
+        deadline = time.monotonic() + 60  # the store's thread writes the pages
+        while sum(b"#" not in k for k in client.keys("maxkv@*")) < 7:
+            assert time.monotonic() < deadline, "the first server wrote nothing to Redis"
+            time.sleep(0.2)
+    with running_server(tiny_llama_dir, tmp_path / "b", env) as second:
+        status, body = complete(second, second_prompt)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == transformers_completion(
+            tiny_llama_dir, second_prompt, NEW_TOKENS
+        )
+        allocs = [e for e in settled_events(second, 0) if e["event"] == "alloc"]
+        assert allocs[0]["cached_prefix"] == 112  # nothing on this server's device before
+        assert "KV tiers: host 1.0 GiB, Redis redis://127.0.0.1" in second.log.read_text()

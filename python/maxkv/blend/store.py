@@ -2,22 +2,23 @@
 
 :class:`ChunkKVStore` keeps each text chunk's K/V, computed by prefilling
 the chunk alone (positions 0 ..), keyed by a hash of the model and the
-chunk's token ids: in host memory, and optionally in a directory that
-survives restarts (one ``.npz`` per chunk, written to a temporary name and
-renamed).  :class:`CacheBlendRetriever` answers LMCache's
+chunk's token ids, in the same tiers as the paged cache's pages
+(:mod:`maxkv.tiers`): host memory, a directory that survives restarts, and a
+Redis shared by every process of the same model, each block checked (model,
+layout, CRC-32) when it comes back.  :class:`CacheBlendRetriever` answers LMCache's
 :meth:`~maxkv.blend.BlendRetriever.new_request` from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import os
-import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
 
+from ..tiers.blocks import BlockLayout
+from ..tiers.store import TierConfig, TieredBlockStore
 from .interfaces import BlendRetriever, BlendRetrieverResult, BlendRetrieverTask
 from .prefill import BlendedPrefill
 
@@ -37,18 +38,38 @@ class ChunkKVStore:
 
     Args:
         prefill: Computes a chunk's K/V (the model).
-        directory: Where to keep chunks across restarts (optional).
+        directory: Where to keep chunks across restarts (the disk tier;
+            optional, the same as ``tiers=TierConfig(disk_dir=directory)``).
+        tiers: Host, disk and Redis tiers and their budgets (default: a 1 GiB
+            host tier, plus ``directory``); chunks a tier drops are recomputed.
     """
 
-    def __init__(self, prefill: BlendedPrefill, directory: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        prefill: BlendedPrefill,
+        directory: str | Path | None = None,
+        *,
+        tiers: TierConfig | None = None,
+    ) -> None:
         self.prefill = prefill
-        self.directory = Path(directory) if directory is not None else None
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
         c = prefill.config
         self._model_tag = hashlib.sha256(repr(c).encode()).hexdigest()[:16]
-        self._memory: dict[str, StoredKV] = {}
-        self._lock = threading.Lock()
+        config = tiers or TierConfig()
+        model_id = config.model_id or f"config-{self._model_tag}"
+        disk_dir = str(directory) if directory is not None else config.disk_dir
+        config = dataclasses.replace(config, model_id=model_id, disk_dir=disk_dir)
+        layout = BlockLayout(
+            model_id=config.model_id,
+            kind="chunk",
+            num_layers=int(c.num_hidden_layers),
+            n_kv_heads=int(getattr(c, "num_key_value_heads", 0) or 0),
+            head_dim=int(getattr(c, "head_dim", 0) or 0),
+            dtype="float32",
+        )
+        self.tiers = TieredBlockStore(layout, config)
+        self.directory = (
+            Path(config.disk_dir) / layout.fingerprint if config.disk_dir is not None else None
+        )
 
     def key(
         self, tokens: np.ndarray | list[int], context: np.ndarray | list[int] | None = None
@@ -81,39 +102,27 @@ class ChunkKVStore:
             return key
         k, v = self.prefill.kv(np.concatenate([before, tokens]))
         start = len(before)
-        k, v = np.ascontiguousarray(k[:, start:]), np.ascontiguousarray(v[:, start:])
-        with self._lock:
-            self._memory[key] = (k, v, start)
-        if self.directory is not None:
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    np.savez(f, k=k, v=v, start=np.int64(start), tokens=tokens)
-                os.replace(tmp, self.directory / f"{key}.npz")
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+        kv = np.stack([k[:, start:], v[:, start:]]).astype(np.float32)
+        self.tiers.put(bytes.fromhex(key), kv, {"start": start})
+        self.tiers.flush()  # on disk (and Redis) before this returns: a restart finds it
         return key
 
     def get(self, key: str) -> StoredKV | None:
         """A chunk's ``(k, v, start)``: K and V ``[num_layers, tokens, kv_heads,
-        head_dim]`` and the position its first token had; ``None`` if not kept."""
-        with self._lock:
-            if key in self._memory:
-                return self._memory[key]
-        if self.directory is not None:
-            path = self.directory / f"{key}.npz"
-            if path.is_file():
-                with np.load(path) as data:
-                    kv = (data["k"], data["v"], int(data["start"]))
-                with self._lock:
-                    self._memory[key] = kv
-                return kv
-        return None
+        head_dim]`` and the position its first token had; ``None`` if no tier has it."""
+        found = self.tiers.get(bytes.fromhex(key))
+        if found is None:
+            return None
+        kv, extra = found
+        return kv[0], kv[1], int(extra["start"])
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._memory)
+        """Chunks in host memory."""
+        return len(self.tiers.host)
+
+    def close(self) -> None:
+        """Finishes queued writes and stops the tiers' thread."""
+        self.tiers.close()
 
 
 class CacheBlendRetrieverTask(BlendRetrieverTask):

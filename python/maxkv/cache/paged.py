@@ -33,18 +33,36 @@ and shares them, without a copy.  A registered page is read-only: a sequence
 that would write into it (after ``pop_n``) copies it first.  When its last
 holder lets go it stays registered, and findable, until a new allocation
 evicts it (least recently freed first, after every page without content).
+
+KV tiers (``tiers=TierConfig(...)``, with prefix caching; CPU caches): every
+page ``step`` registers is offloaded, under its hash, to the host tier at
+once and to the disk and Redis tiers by a background writer
+(:mod:`maxkv.tiers`, MAX's ``KVConnector`` protocol).  ``claim_prefix``
+continues past the pages found on the device with the blocks a tier holds,
+loading them into fresh pages instead of recomputing them; a block that is
+gone or fails its check ends the reused prefix there.
+
+Preemption by swap, between rounds: ``swap_out`` copies a sequence's pages to
+host memory (a ``swap_bytes`` budget) and releases them; ``swap_in`` claims a
+sequence again with the same tokens, sharing the pages the device still has
+cached and writing the others back, so nothing is recomputed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
 from ..errors import CacheFullError
+from ..tiers.blocks import BlockLayout
+from ..tiers.store import TierConfig, TieredBlockStore
 from .page_pool import PagePool
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
@@ -57,10 +75,38 @@ from .protocol import (
 )
 from .spec import CacheSpec, KVCacheInputs
 
-__all__ = ["UNUSED_PAGE", "PagedKVCacheManager"]
+if TYPE_CHECKING:
+    from ..tiers.connector import TieredConnector
+
+__all__ = ["UNUSED_PAGE", "PagedKVCacheManager", "SwappedSequence"]
 
 #: Page-table entry of a page a sequence does not have (never a valid page id).
 UNUSED_PAGE = 0xFFFFFFFF
+
+_swap_numbers = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class SwappedSequence:
+    """A sequence :meth:`PagedKVCacheManager.swap_out` moved to host memory.
+
+    Hand it to :meth:`PagedKVCacheManager.swap_in` (once) to continue it.
+    """
+
+    #: Committed tokens.
+    length: int
+    #: Its pages, ``[pages, devices, 2, num_layers, page_size, heads, head_dim]``.
+    blocks: np.ndarray = field(repr=False)
+    #: Prefix caching: its committed token ids, salt and full-page hashes.
+    tokens: list[int] | None = field(default=None, repr=False)
+    salt: str | None = None
+    hashes: list[bytes] = field(default_factory=list, repr=False)
+    number: int = field(default_factory=lambda: next(_swap_numbers))
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory it takes."""
+        return int(self.blocks.nbytes)
 
 
 class PagedKVCacheManager(KVCacheManagerBase):
@@ -84,11 +130,16 @@ class PagedKVCacheManager(KVCacheManagerBase):
             registered page) copies on the CPU only.
         cache_device: The device work (zero fill, increments, copies);
             default MAX's (:class:`~maxkv.cache.device.MaxCacheDevice`).
+        tiers: KV tiers beyond the device (:class:`~maxkv.tiers.TierConfig`:
+            host memory, disk, Redis; needs prefix caching and a CPU cache),
+            and the swap space budget.  ``None``: no tiers, and swap space
+            of ``TierConfig().swap_bytes``.  Call :meth:`close` when done.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
-        ValueError: If a size is not positive or the number of devices
-            differs from ``params.n_devices``.
+        ValueError: If a size is not positive, the number of devices
+            differs from ``params.n_devices``, or tiers are asked for without
+            prefix caching, on a GPU cache, or for a dtype NumPy lacks.
     """
 
     def __init__(
@@ -104,8 +155,15 @@ class PagedKVCacheManager(KVCacheManagerBase):
         *,
         enable_prefix_caching: bool = False,
         cache_device: CacheDevice | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, 1)
+        if tiers is not None and not isinstance(tiers, TierConfig):
+            raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        if tiers is not None and tiers.any_tier and not enable_prefix_caching:
+            raise ValueError(
+                "KV tiers keep pages under their prefix hash: they need enable_prefix_caching=True"
+            )
         super().__init__(
             CacheSpec(params, num_layers, "paged", page_size),
             max_batch_size,
@@ -130,6 +188,16 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._hashes: dict[int, list[bytes]] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = self.cache_device.zeros(shape, self.params.dtype)
+        self._tier_config = tiers if tiers is not None else TierConfig()
+        self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
+        #: Prompt tokens loaded from the tiers instead of computed.
+        self.tier_hit_tokens = 0
+        self._connector: TieredConnector | None = None
+        if tiers is not None and tiers.any_tier:
+            from ..tiers.connector import PageBuffers, TieredConnector
+
+            store = TieredBlockStore(self.block_layout(tiers.model_id), tiers)
+            self._connector = TieredConnector(store, PageBuffers(self._pages))
 
     # ------------------------------------------------------------------ sizes
 
@@ -210,8 +278,12 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._require_prefix_caching("prefix_block_size")
         return self.page_size
 
-    def _cached_pages(self, tokens: list[int], salt: str | None) -> tuple[list[int], list[bytes]]:
-        """The registered pages holding the longest page-aligned prefix of ``tokens[:-1]``."""
+    def _prefix_blocks(
+        self, tokens: list[int], salt: str | None
+    ) -> tuple[list[int], list[bytes], int]:
+        """The longest page-aligned prefix of ``tokens[:-1]`` held somewhere: the
+        registered device pages of its start, the hashes of all its full
+        pages, and how many hashes after the device's a tier holds."""
         pages: list[int] = []
         hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
         for block in hashes:
@@ -219,32 +291,93 @@ class PagedKVCacheManager(KVCacheManagerBase):
             if page is None:
                 break
             pages.append(page)
-        return pages, hashes[: len(pages)]
+        in_tiers = 0
+        if self._connector is not None and len(pages) < len(hashes):
+            from ..tiers.connector import LEAF
+
+            found = self._connector.lookup(hashes[len(pages) :])[LEAF]
+            while in_tiers < len(found) and found[in_tiers]:
+                in_tiers += 1
+        return pages, hashes, in_tiers
+
+    def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
+        """Pages of ``prompt``'s prefix :meth:`claim_prefix` would reuse now: ``(on the
+        device, then from the KV tiers)`` (no change; MAX's ``PrefixCacheHits``)."""
+        with self._lock:
+            self._require_prefix_caching("prefix_hits")
+            pages, _, in_tiers = self._prefix_blocks(self._prompt(prompt), salt)
+            return len(pages), in_tiers
+
+    def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:
+        """A request arrived: the blocks of its prefix that only the disk or Redis tier
+        holds start coming into host memory, on the tiers' thread, so that
+        :meth:`claim_prefix` reads them from memory (no-op without tiers)."""
+        if self._connector is None or not self._prefix_caching:
+            return
+        with self._lock:
+            tokens = self._prompt(prompt)
+            hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
+            on_device = 0
+            while on_device < len(hashes) and self._pool.lookup(hashes[on_device]) is not None:
+                on_device += 1
+        self._connector.store.prefetch(hashes[on_device:])
 
     def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
-        return len(self._cached_pages(tokens, salt)[0]) * self.page_size
+        pages, _, in_tiers = self._prefix_blocks(tokens, salt)
+        return (len(pages) + in_tiers) * self.page_size
 
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
-        pages, hashes = self._cached_pages(tokens, salt)
+        pages, hashes, in_tiers = self._prefix_blocks(tokens, salt)
         (seq_id,) = self._storage_claim(1)
-        cached = len(pages) * self.page_size
         self._pool.share(pages)
+        if self._connector is not None and pages:
+            self._connector.touch(hashes[: len(pages)])
+        on_device = len(pages)
+        if in_tiers:
+            pages += self._load_from_tiers(hashes[on_device : on_device + in_tiers])
+        self.tier_hit_tokens += (len(pages) - on_device) * self.page_size
+        cached = len(pages) * self.page_size
         self._page_lists[seq_id] = pages
         self._tokens[seq_id] = tokens[:cached]
         self._salts[seq_id] = salt
-        self._hashes[seq_id] = hashes
+        self._hashes[seq_id] = hashes[: len(pages)]
         return seq_id, cached
+
+    def _load_from_tiers(self, hashes: list[bytes]) -> list[int]:
+        """Loads the blocks of ``hashes`` into fresh, registered pages, in order, up to the
+        first one no tier can give (or the last free page); returns the pages."""
+        from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
+
+        assert self._connector is not None
+        loaded: list[int] = []
+        for block in hashes[: self._pool.free_count]:
+            (page,) = self._pool.allocate(1)
+            try:
+                self._connector.load({LEAF: [page]}, {LEAF: [block]})
+            except (KVLoadRefused, KVLoadFailed):
+                self._pool.free([page])
+                break
+            registered = self._pool.register(page, block)
+            if registered != page:
+                self._pool.share([registered])
+                self._pool.free([page])
+            loaded.append(registered)
+        return loaded
 
     def _storage_prefix_counters(self) -> tuple[int, int]:
         return self._pool.counters.evictions, self._pool.cached_count
 
     def _storage_reset_prefix_cache(self) -> None:
         self._pool.reset_cache()
+        if self._connector is not None:
+            self._connector.reset_prefix_cache()
 
     def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
         """Registers the pages the committed tokens filled (prefix caching)."""
         if not self._prefix_caching:
             return
+        new_pages: list[int] = []
+        new_hashes: list[bytes] = []
         for seq_id, ids in tokens.items():
             held_tokens = self._tokens[seq_id]
             held_tokens.extend(ids)
@@ -260,7 +393,166 @@ class PagedKVCacheManager(KVCacheManagerBase):
                     self._pool.share([registered])
                     pages[index] = registered
                     self._pool.free([page])
+                else:
+                    new_pages.append(page)
+                    new_hashes.append(block)
                 hashes.append(block)
+        if self._connector is not None and new_pages:
+            from ..tiers.connector import LEAF
+
+            self._connector.offload({LEAF: new_pages}, {LEAF: new_hashes})
+
+    # ------------------------------------------------------------- tiers
+
+    def block_layout(self, model_id: str) -> BlockLayout:
+        """What one page is outside the device, for the model ``model_id``."""
+        p = self.params
+        try:
+            dtype = np.dtype(p.dtype.to_numpy()).name
+        except (ValueError, TypeError):
+            raise ValueError(f"KV tiers hold NumPy arrays; {p.dtype} has no NumPy dtype") from None
+        return BlockLayout(
+            model_id=model_id or "unnamed",
+            kind="page",
+            num_layers=self.num_layers,
+            n_kv_heads=p.n_kv_heads,
+            head_dim=p.head_dim,
+            dtype=dtype,
+            page_size=self.page_size,
+            devices=p.n_devices,
+        )
+
+    @property
+    def tiers(self) -> TieredBlockStore | None:
+        """The KV tiers (host, disk, Redis) this cache offloads to; ``None`` without."""
+        return self._connector.store if self._connector is not None else None
+
+    @property
+    def connector(self) -> TieredConnector | None:
+        """The tiers behind MAX's ``KVConnector`` protocol; ``None`` without tiers."""
+        return self._connector
+
+    def close(self) -> None:
+        """Finishes the tiers' queued writes and stops their thread (no-op without tiers)."""
+        if self._connector is not None:
+            self._connector.shutdown()
+
+    # -------------------------------------------------------------- swap
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Host memory held by sequences swapped out and not swapped in yet."""
+        with self._lock:
+            return sum(self._swapped.values())
+
+    def swap_out(self, seq_id: int) -> SwappedSequence:
+        """Preemption by swap, between rounds: moves ``seq_id`` to host memory.
+
+        Copies its pages to host memory and releases it (``seq_id`` and its
+        pages are free; registered pages stay findable on the device until
+        evicted).  :meth:`swap_in` continues it.
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed, or the cache is not in
+                host memory.
+            CacheFullError: If the swap space (``TierConfig.swap_bytes``)
+                cannot take it (nothing changes).
+        """
+        from ..tiers.connector import PageBuffers
+
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            io = PageBuffers(self._pages)
+            held = self._page_lists[seq]
+            nbytes = len(held) * io.page_nbytes
+            budget = self._tier_config.swap_bytes
+            if self.swapped_bytes + nbytes > budget:
+                raise CacheFullError(
+                    f"swap space full: seq_id {seq} needs {nbytes} bytes, "
+                    f"{budget - self.swapped_bytes} of {budget} are free"
+                )
+            if held:
+                blocks = np.stack([io.read(page) for page in held])
+            else:
+                blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
+            swapped = SwappedSequence(
+                length=self._lengths[seq],
+                blocks=blocks,
+                tokens=list(self._tokens[seq]) if self._prefix_caching else None,
+                salt=self._salts.get(seq),
+                hashes=list(self._hashes.get(seq, [])),
+            )
+            self._swapped[swapped.number] = nbytes
+            self.release(seq)
+            return swapped
+
+    def swap_in_pages(self, swapped: SwappedSequence) -> int:
+        """Free pages :meth:`swap_in` would take now: its pages the device no longer
+        has cached, plus the cached ones nobody holds (they leave the free queue)."""
+        with self._lock:
+            cached = self._swap_in_hits(swapped)
+            return cached.count(None) + self._free_hits(cached)
+
+    def _swap_in_hits(self, swapped: SwappedSequence) -> list[int | None]:
+        """Per page of ``swapped``: the device page registered under its hash, if any."""
+        hashes = swapped.hashes
+        return [
+            self._pool.lookup(hashes[i]) if i < len(hashes) else None
+            for i in range(len(swapped.blocks))
+        ]
+
+    def _free_hits(self, cached: list[int | None]) -> int:
+        return sum(1 for p in {p for p in cached if p is not None} if self._pool.refcount(p) == 0)
+
+    def swap_in(self, swapped: SwappedSequence) -> int:
+        """Continues a sequence :meth:`swap_out` moved to host memory; returns its new id.
+
+        Its full pages still cached on the device are shared, the others
+        written back from host memory; nothing is recomputed.
+
+        Raises:
+            ValueError: If ``swapped`` was swapped in already (or is not from
+                this manager).
+            CacheFullError: If no sequence id or not enough pages are free
+                (nothing changes; ``swapped`` stays valid).
+        """
+        from ..tiers.connector import PageBuffers
+
+        with self._lock:
+            if swapped.number not in self._swapped:
+                raise ValueError("this sequence was swapped in already, or by another manager")
+            if self._free_ids() == 0:
+                raise CacheFullError("no free sequence id to swap in to")
+            cached = self._swap_in_hits(swapped)
+            new = cached.count(None)
+            available = self._pool.free_count - self._free_hits(cached)
+            if new > available:
+                raise CacheFullError(
+                    f"swap in needs {new} new pages of {self.page_size} tokens, "
+                    f"{available} are free"
+                )
+            self._pool.share([p for p in cached if p is not None])
+            fresh = iter(self._pool.allocate(new))
+            io = PageBuffers(self._pages)
+            pages = []
+            for i, hit in enumerate(cached):
+                if hit is not None:
+                    pages.append(hit)
+                    continue
+                page = next(fresh)
+                io.write(page, swapped.blocks[i])
+                if i < len(swapped.hashes):
+                    self._pool.register(page, swapped.hashes[i])
+                pages.append(page)
+            (seq,) = self._storage_claim(1)
+            self._page_lists[seq] = pages
+            self._lengths[seq] = swapped.length
+            if self._prefix_caching:
+                self._tokens[seq] = list(swapped.tokens or [])
+                self._salts[seq] = swapped.salt
+                self._hashes[seq] = list(swapped.hashes)
+            del self._swapped[swapped.number]
+            return seq
 
     # ------------------------------------------------------- storage hooks
 

@@ -16,11 +16,23 @@ One *round*:
    written to the cache (with their ids, which prefix caching records),
    finish requests at ``max_new_tokens`` or an EOS token, ``release`` them.
 
-Over a paged cache (:class:`~maxkv.PagedKVCacheManager`) a request is
-admitted only when the pages it can need at most (every completion's
-prompt and generated tokens, ignoring pages forks share) fit beside those
-of the requests in flight; otherwise it waits for a release, so a fetch
-never runs out of pages.
+Over a paged cache (:class:`~maxkv.PagedKVCacheManager`) the scheduler runs
+one of three policies for pages (``preemption=``):
+
+- ``"wait"`` (the default): a request is admitted only when the pages it can
+  need at most (every completion's prompt and generated tokens, ignoring
+  pages that prefixes and forks share) fit beside those of the requests in
+  flight; otherwise it waits for a release, so a fetch never runs out of pages.
+- ``"swap"``: a request is admitted when its prompt's pages are free (and one
+  page per running request); when a round's fetch runs out of pages, the most
+  recently admitted requests are swapped out to host memory
+  (:meth:`~maxkv.PagedKVCacheManager.swap_out`) until it fits, and swapped
+  back in, before any new request is admitted, when pages free up.  Nothing
+  is recomputed.
+- ``"recompute"``: admission as for ``"swap"``; a preempted request releases
+  its pages and is queued again with its prompt and generated tokens as the
+  prompt (vLLM's and MAX's default): with prefix caching, the full pages the
+  device or a KV tier still holds are reused, the rest recomputed.
 
 With a model built with ``output="logits"`` the scheduler samples on the
 host instead (per-request temperature and seeded generator; temperature 0 is
@@ -31,6 +43,7 @@ after its prompt is encoded, ``n - 1`` children ``fork`` its cache at
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,8 +52,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer
 
+from ..cache.paged import PagedKVCacheManager, SwappedSequence
 from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
+from ..errors import CacheFullError
 from ..models.llama import LlamaModel
 
 
@@ -76,6 +91,15 @@ class Request:
     rng: np.random.Generator | None = None
     #: Storage units (pages) set aside for this completion at admission.
     reserved_units: int = 0
+    #: Its cache while swapped out (``preemption="swap"``).
+    swapped: SwappedSequence | None = None
+    #: Whether its prefix's blocks were asked to come to host memory (KV tiers).
+    prefetched: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        """The prompt and the tokens generated so far."""
+        return self.prompt + self.output
 
     @property
     def remaining(self) -> int:
@@ -99,6 +123,12 @@ class SchedulerStats:
     forks: int = 0
     #: Times admission waited for pages held by running requests.
     page_waits: int = 0
+    #: Requests preempted (swapped out, or released to be recomputed).
+    preemptions: int = 0
+    #: Tokens computed again after a preemption by recompute.
+    recomputed_tokens: int = 0
+    #: Most storage units (pages) held at once, after a round's fetch.
+    peak_units_in_use: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,6 +158,9 @@ class SchedulerStats:
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
             "forks": self.forks,
             "page_waits": self.page_waits,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "peak_units_in_use": self.peak_units_in_use,
         }
 
 
@@ -144,6 +177,9 @@ class ContinuousBatchingScheduler:
         num_steps: Model steps per ``fetch`` (multistep decoding, greedy only).
         stop_at_eos: Finish a request at the model's EOS token; ``False``
             always generates ``max_new_tokens`` (for benchmarks).
+        preemption: ``"wait"``, ``"swap"`` or ``"recompute"`` (see the module
+            docstring); the last two need a paged cache and greedy decoding
+            (a forked request's completions are never preempted apart).
     """
 
     def __init__(
@@ -154,7 +190,14 @@ class ContinuousBatchingScheduler:
         num_steps: int = 1,
         *,
         stop_at_eos: bool = True,
+        preemption: str = "wait",
     ) -> None:
+        if preemption not in ("wait", "swap", "recompute"):
+            raise ValueError(
+                f"preemption must be 'wait', 'swap' or 'recompute', got {preemption!r}"
+            )
+        if preemption != "wait" and not isinstance(manager, PagedKVCacheManager):
+            raise ValueError(f"preemption={preemption!r} needs a PagedKVCacheManager")
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
                 f"max_batch_size and num_steps must be >= 1, got {max_batch_size}, {num_steps}"
@@ -171,6 +214,12 @@ class ContinuousBatchingScheduler:
         self.num_steps = 1 if self.sampling else num_steps
         self.eos = set(model.config.eos_token_ids) if stop_at_eos else set()
         self.prefix_caching = manager.prefix_caching
+        self.preemption = preemption
+        if preemption != "wait" and self.sampling:
+            raise ValueError(
+                "preemption by swap or recompute is for greedy (output='tokens') models"
+            )
+        self._swapped: deque[Request] = deque()
         if self.num_steps > 1 or self.prefix_caching:
             manager.warm_up()  # plan once: keep compiles out of the decode loop
         self._waiting: deque[Request] = deque()
@@ -270,12 +319,15 @@ class ContinuousBatchingScheduler:
         stats = SchedulerStats(max_batch_size=self.max_batch_size)
         running: list[Request] = []
         start = time.perf_counter()
-        while self._waiting or running:
-            new = self._admit(len(running), stats)
+        while self._waiting or running or self._swapped:
+            new = self._admit(running, stats)
+            self._prefetch_waiting()
             if not running and not new:
                 raise RuntimeError("no request could be admitted: the cache has no room")
             batch = running + new
             round_start = time.perf_counter()
+            batch = self._fit(batch, new, stats)
+            new = [r for r in new if r in batch]
             produced = self._round(batch, stats, prefill=bool(new))
             round_s = time.perf_counter() - round_start
             # Other completions fork their prompt's cache while it is still held.
@@ -306,7 +358,10 @@ class ContinuousBatchingScheduler:
 
     # ------------------------------------------------------------ admission
 
-    def _admit(self, running: int, stats: SchedulerStats) -> list[Request]:
+    def _admit(self, running_requests: list[Request], stats: SchedulerStats) -> list[Request]:
+        running = len(running_requests)
+        if self.preemption != "wait":
+            return self._admit_optimistic(running_requests, stats)
         room = self.max_batch_size - running
         new: list[Request] = []
         while len(new) < room and self._waiting:
@@ -336,6 +391,109 @@ class ContinuousBatchingScheduler:
             stats.prompt_tokens += len(request.prompt)
             new.append(request)
         return new
+
+    def _admit_optimistic(self, running: list[Request], stats: SchedulerStats) -> list[Request]:
+        """Admission under ``preemption="swap"`` / ``"recompute"``: swapped-out requests
+        first (oldest first), then waiting ones, each when its prompt's pages are free
+        beside one page per request already in the batch."""
+        manager = self.manager
+        assert isinstance(manager, PagedKVCacheManager)
+        room = self.max_batch_size - len(running)
+        new: list[Request] = []
+        while len(new) < room and self._swapped:
+            request = self._swapped[0]
+            assert request.swapped is not None
+            pages = manager.swap_in_pages(request.swapped) + 1
+            if manager.free_pages < pages + len(running) + len(new):
+                return new  # nothing new overtakes a swapped-out request
+            try:
+                request.seq_id = manager.swap_in(request.swapped)
+            except CacheFullError:
+                return new
+            request.swapped = None
+            self._swapped.popleft()
+            new.append(request)
+        while len(new) < room and self._waiting:
+            request = self._waiting[0]
+            if self.prefix_caching and new and self._shares_uncached_prefix(request, new):
+                break
+            tokens = request.context
+            cached = self.manager.cached_prefix_length(tokens) if self.prefix_caching else 0
+            pages = self.manager.storage_units(len(tokens) + self.num_steps)
+            pages -= cached // self.manager.prefix_block_size if cached else 0
+            if manager.free_pages < pages + len(running) + len(new):
+                stats.page_waits += 1
+                break
+            self._waiting.popleft()
+            if self.prefix_caching:
+                seq_id, cached = self.manager.claim_prefix(tokens)
+            else:
+                (seq_id,) = self.manager.claim(1)
+                cached = 0
+            request.seq_id = seq_id
+            request.pending = tokens[cached:]
+            if request.output:  # readmitted after a preemption by recompute
+                stats.recomputed_tokens += len(request.pending)
+            else:
+                request.cached_tokens = cached
+                stats.prefix_cache_hit_tokens += cached
+                stats.prompt_tokens += len(request.prompt)
+            new.append(request)
+        return new
+
+    def _prefetch_waiting(self) -> None:
+        """KV tiers: the disk / Redis blocks of the next requests in the queue start
+        coming to host memory while this round runs (not those admitted now, whose
+        claim just read them: a prefetch would only compete with it)."""
+        if not isinstance(self.manager, PagedKVCacheManager) or self.manager.tiers is None:
+            return
+        for request in itertools.islice(self._waiting, self.max_batch_size):
+            if not request.prefetched:
+                request.prefetched = True
+                self.manager.prefetch(request.context)
+
+    def _fit(
+        self, batch: list[Request], new: list[Request], stats: SchedulerStats
+    ) -> list[Request]:
+        """Preempts the most recently admitted requests until this round's pages fit
+        (``"swap"`` / ``"recompute"``; ``"wait"`` never runs out)."""
+        if self.preemption == "wait":
+            return batch
+        manager = self.manager
+        assert isinstance(manager, PagedKVCacheManager)
+        batch = list(batch)
+        while len(batch) > 1:
+            steps = 1 if any(r in new for r in batch) else self._steps(batch)
+            need = sum(
+                max(
+                    0,
+                    manager.storage_units(
+                        manager.cache_lengths[_seq_id(r)] + len(r.pending) + steps - 1
+                    )
+                    - len(manager.pages(_seq_id(r))),
+                )
+                for r in batch
+            )
+            if need <= manager.free_pages:
+                break
+            victim = batch.pop()
+            stats.preemptions += 1
+            seq_id = _seq_id(victim)
+            victim.seq_id = None
+            if self.preemption == "swap":
+                try:
+                    victim.swapped = manager.swap_out(seq_id)
+                    self._swapped.append(victim)
+                    continue
+                except CacheFullError:
+                    pass  # the swap space is full: this one is recomputed instead
+            manager.release(seq_id)
+            victim.pending = []
+            self._waiting.appendleft(victim)
+        return batch
+
+    def _steps(self, batch: list[Request]) -> int:
+        return min(self.num_steps, max(r.remaining for r in batch))
 
     def _shares_uncached_prefix(self, request: Request, admitted: list[Request]) -> bool:
         cached = self.manager.cached_prefix_length(request.prompt)
@@ -391,9 +549,12 @@ class ContinuousBatchingScheduler:
     def _round(self, batch: list[Request], stats: SchedulerStats, prefill: bool) -> int:
         first_tokens = [r.pending for r in batch]
         active = [len(t) for t in first_tokens]
-        steps = 1 if prefill else min(self.num_steps, max(r.remaining for r in batch))
+        steps = 1 if prefill else self._steps(batch)
         seq_ids = [_seq_id(r) for r in batch]
         kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
+        if isinstance(self.manager, PagedKVCacheManager):
+            held = self.manager.num_pages - self.manager.free_pages
+            stats.peak_units_in_use = max(stats.peak_units_in_use, held)
 
         device = self.model.device
         tokens = Buffer.from_numpy(np.concatenate(first_tokens).astype(np.int64)).to(device)

@@ -302,7 +302,12 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         """The request's cached prefix now, in MAX's pages (no change to anything)."""
         if not self.manager.prefix_caching or len(ctx.tokens) < 2:
             return [PrefixCacheHits()]
-        cached = self.manager.cached_prefix_length(ctx.tokens.all.tolist(), salt=ctx.cache_salt)
+        tokens = ctx.tokens.all.tolist()
+        m = self.manager
+        if isinstance(m, PagedKVCacheManager) and m.page_size == self.params.page_size:
+            device, tiers = m.prefix_hits(tokens, salt=ctx.cache_salt)
+            return [PrefixCacheHits(device_blocks=device, external_blocks=tiers)]
+        cached = m.cached_prefix_length(tokens, salt=ctx.cache_salt)
         return [PrefixCacheHits(device_blocks=cached // self.params.page_size)]
 
     def reset_prefix_cache(self) -> None:
@@ -318,16 +323,20 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
     def get_metrics_aggregated(self) -> Any:
         return self._metrics
 
-    # ------------------------------------------------ transfers, tiers: none
+    # ------------------------------------------- transfers and KV tiers
+    # maxkv's tiers copy on the calling thread (a CPU cache): no transfer is
+    # ever pending; their disk and Redis writes run on the store's own thread.
 
     def alloc_dummy(self, ctx: Any, replica_idx: int = 0) -> None:
         raise NotImplementedError("maxkv: data-parallel padding requests are not supported")
 
     def host_byte_count(self) -> Any:
-        return ByteCount(free=0, total=0)
+        connector = getattr(self.manager, "connector", None)
+        return connector.host_byte_count if connector is not None else ByteCount(0, 0)
 
     def disk_byte_count(self) -> Any:
-        return ByteCount(free=0, total=0)
+        connector = getattr(self.manager, "connector", None)
+        return connector.disk_byte_count if connector is not None else ByteCount(0, 0)
 
     def poll_transfers(self) -> None:
         pass
@@ -336,7 +345,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         return False
 
     def shutdown(self) -> None:
-        pass
+        """Finishes the KV tiers' queued writes (Redis, disk) and stops their thread."""
+        if isinstance(self.manager, PagedKVCacheManager):
+            self.manager.close()
 
     def get_device_buffer(self, replica_idx: int) -> Any:
         raise NotImplementedError("maxkv: the cache is not a MAX KV buffer")

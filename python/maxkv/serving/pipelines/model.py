@@ -13,6 +13,11 @@ environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
   ``--kv-cache-page-size`` if it is not MAX's default of 128, else 16.  A
   prefix is reused in whole pages, and MAX's 128 (sized for GPUs) would
   recompute up to 127 tokens of every shared system prompt.
+  KV tiers beyond the device (:mod:`maxkv.tiers`, paged cache with prefix
+  caching, CPU): configured by :meth:`maxkv.tiers.TierConfig.from_env`
+  (``MAXKV_HOST_TIER_GB``, default 1; ``MAXKV_DISK_TIER_DIR`` /
+  ``MAXKV_DISK_TIER_GB``; ``MAXKV_REDIS_URL``), blocks named by
+  :func:`model_identity` of the checkpoint.
 - ``contiguous``: a :class:`~maxkv.ContinuousBatchingKVCacheManager` with one
   slot of ``--max-length`` tokens per ``--max-batch-size``; with prefix
   caching, cached rows are copied into a request's slot.
@@ -23,6 +28,7 @@ Its inputs reach the graph through
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -47,6 +53,7 @@ from ...cache.protocol import KVCacheManagerBase
 from ...models.gguf_file import read_gguf_quantized
 from ...models.llama import LlamaModel, cache_params
 from ...models.loading import load_llama, model_file
+from ...tiers.store import TierConfig
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
 logger = logging.getLogger("max.pipelines.maxkv")
@@ -136,6 +143,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             page_size=tokens_per_page(self.kv_cache_config.kv_cache_page_size),
             prefix_caching=self.kv_cache_config.enable_prefix_caching,
             available=self.memory_plan.available_cache_memory,
+            tiers=TierConfig.from_env(model_identity(path)),
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
@@ -193,6 +201,19 @@ def checkpoint_path(pipeline_config: Any) -> Path:
     return Path(model.model_path)
 
 
+def model_identity(path: Path) -> str:
+    """Names a checkpoint for the KV tiers: its name, size and a digest of its first MiB
+    (every file of a directory), so that blocks of other weights are never reused."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    digest = hashlib.blake2b(digest_size=12)
+    for file in files:
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+        if file.suffix in (".gguf", ".safetensors", ".bin", ".json"):
+            with open(file, "rb") as f:
+                digest.update(f.read(1 << 20))
+    return f"{path.name}@{digest.hexdigest()}"
+
+
 def tokens_per_page(kv_cache_page_size: int) -> int:
     """Tokens per page: :data:`PAGE_SIZE_ENV` if set, else ``--kv-cache-page-size``
     unless it is MAX's default (which cannot be told from a flag left unset),
@@ -223,6 +244,7 @@ def build_manager(
     page_size: int,
     prefix_caching: bool,
     available: int | None,
+    tiers: TierConfig | None = None,
 ) -> KVCacheManagerBase:
     """maxkv's manager of ``kind`` for MAX's settings.
 
@@ -230,7 +252,8 @@ def build_manager(
     (MAX's memory plan for the KV cache; ``None``: enough for every
     sequence at ``max_seq_len``), and ``2 * max_batch_size`` sequence ids
     (ids cost nothing; pages bound the cache).  Contiguous: ``max_batch_size``
-    slots of ``max_seq_len`` tokens.
+    slots of ``max_seq_len`` tokens.  ``tiers`` apply to a paged cache with
+    prefix caching on CPU devices (and are left off, with a log line, elsewhere).
 
     Raises:
         CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
@@ -250,6 +273,12 @@ def build_manager(
                 f"{(available or 0) / 2**30:.2f} GiB for the KV cache: lower --max-length or "
                 "--kv-cache-page-size"
             )
+        if tiers is not None and tiers.any_tier and not prefix_caching:
+            logger.info("maxkv: KV tiers are off: they need prefix caching")
+            tiers = None
+        if tiers is not None and tiers.any_tier and not all(_is_cpu(d) for d in devices):
+            logger.info("maxkv: KV tiers are off: they need a CPU cache")
+            tiers = None
         return PagedKVCacheManager(
             params,
             page_size,
@@ -260,6 +289,7 @@ def build_manager(
             devices,
             session,
             enable_prefix_caching=prefix_caching,
+            tiers=tiers,
         )
     check_cache_fits(
         ContinuousBatchingKVCacheManager.estimated_memory_size(
@@ -280,6 +310,10 @@ def build_manager(
     )
 
 
+def _is_cpu(device: Any) -> bool:
+    return bool(getattr(device, "is_host", False)) or "cpu" in str(device).lower()
+
+
 def describe(manager: KVCacheManagerBase) -> str:
     """One line on the cache, for the log."""
     prefix = "prefix caching on" if manager.prefix_caching else "prefix caching off"
@@ -291,9 +325,19 @@ def describe(manager: KVCacheManagerBase) -> str:
             manager.num_layers,
             manager.devices,
         )
+        tiers = manager.tiers
+        where = ""
+        if tiers is not None:
+            c = tiers.config
+            parts = [f"host {c.host_bytes / 2**30:.1f} GiB"]
+            if c.disk_dir is not None:
+                parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
+            if c.redis_url is not None:
+                parts.append(f"Redis {c.redis_url}")
+            where = ", KV tiers: " + ", ".join(parts)
         return (
             f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
-            f"({size / 2**20:.1f} MiB), {prefix}"
+            f"({size / 2**20:.1f} MiB), {prefix}{where}"
         )
     assert isinstance(manager, ContinuousBatchingKVCacheManager)
     size = manager.estimated_memory_size(

@@ -1,0 +1,399 @@
+"""The tiered block store: host memory, then local disk, then Redis, behind one lookup.
+
+Blocks are keyed by bytes (the chained page hash of prefix caching, a
+CacheBlend chunk's hash) and checked against the store's
+:class:`~maxkv.tiers.blocks.BlockLayout` whenever they come back from disk or
+Redis.  Where each call sits in a serving step:
+
+- :meth:`TieredBlockStore.put` (commit time): the block goes into the host
+  tier at once (the caller hands over a copy) and is queued for the disk and
+  Redis tiers, which a background thread writes: the step never waits for
+  them.  The queue holds at most ``write_queue_bytes``; past that a write is
+  dropped and counted, never waited for.
+- :meth:`TieredBlockStore.contains` (admission): which blocks some tier holds.
+- :meth:`TieredBlockStore.prefetch` (a request arrives): the background
+  thread brings its blocks from disk or Redis into host memory, so that
+- :meth:`TieredBlockStore.get` (the request claims its prefix) is a host
+  read; a block not prefetched yet is read from disk or Redis then.
+
+A block that fails its check (corrupt, truncated, another layout) is counted
+under its reason in :attr:`TieredBlockStore.stats`, deleted from the tier it
+came from, and reported missing, so the caller recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
+from .disk import DiskTier
+from .host import HostTier
+from .remote import RedisTier
+
+__all__ = ["TierConfig", "TierStats", "TieredBlockStore"]
+
+logger = logging.getLogger("maxkv.tiers")
+
+_GIB = 1 << 30
+
+
+def _env_gib(env: dict[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of GiB, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where KV blocks live beyond the device, and how much of each tier they may use.
+
+    The defaults are a single machine's: a host-memory tier of 1 GiB, no disk,
+    no Redis.
+
+    Attributes:
+        model_id: Names the weights; part of every block's identity.  Needed
+            (not ``""``) for the disk and Redis tiers, which outlive the process.
+        host_bytes: Host-memory tier budget (0: no host tier).
+        disk_dir: Directory of the disk tier (``None``: no disk tier).
+        disk_bytes: Disk tier budget.
+        redis_url: ``redis://host:port/db`` of the shared tier (``None``: none).
+        redis_namespace: First part of every Redis key (LMCache's style).
+        redis_max_value_bytes: Largest value written to Redis (blocks split above it).
+        redis_retry_s: After Redis fails, how long before it is tried again.
+        swap_bytes: Host memory for sequences swapped out of the device
+            (:meth:`~maxkv.PagedKVCacheManager.swap_out`).
+        write_queue_bytes: Most bytes waiting for the disk and Redis writer.
+        redis_client: A redis-py client to use instead of connecting to
+            ``redis_url`` (tests pass ``fakeredis``).
+    """
+
+    model_id: str = ""
+    host_bytes: int = _GIB
+    disk_dir: str | None = None
+    disk_bytes: int = 16 * _GIB
+    redis_url: str | None = None
+    redis_namespace: str = "maxkv"
+    redis_max_value_bytes: int = 64 << 20
+    redis_retry_s: float = 5.0
+    swap_bytes: int = 4 * _GIB
+    write_queue_bytes: int = 256 << 20
+    redis_client: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes", "swap_bytes", "write_queue_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.redis_max_value_bytes < 1:
+            raise ValueError("redis_max_value_bytes must be >= 1")
+        if (self.disk_dir is not None or self.redis_url is not None) and not self.model_id:
+            raise ValueError(
+                "the disk and Redis tiers outlive the process: name the model (model_id) so "
+                "that blocks of other weights are never reused"
+            )
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(f"redis_url must be redis://host:port/db, got {self.redis_url!r}")
+
+    @classmethod
+    def from_env(cls, model_id: str = "", environ: dict[str, str] | None = None) -> TierConfig:
+        """The configuration ``max serve`` reads (defaults for unset variables):
+
+        - ``MAXKV_HOST_TIER_GB`` (1; 0 turns the host tier off),
+        - ``MAXKV_DISK_TIER_DIR`` (unset: no disk tier), ``MAXKV_DISK_TIER_GB`` (16),
+        - ``MAXKV_REDIS_URL`` (unset: no Redis tier), ``MAXKV_REDIS_NAMESPACE`` (maxkv),
+        - ``MAXKV_SWAP_GB`` (4).
+        """
+        env = dict(os.environ if environ is None else environ)
+        host = _env_gib(env, "MAXKV_HOST_TIER_GB", 1)
+        disk = _env_gib(env, "MAXKV_DISK_TIER_GB", 16)
+        swap = _env_gib(env, "MAXKV_SWAP_GB", 4)
+        return cls(
+            model_id=model_id,
+            host_bytes=int(host * _GIB),
+            disk_dir=env.get("MAXKV_DISK_TIER_DIR") or None,
+            disk_bytes=int(disk * _GIB),
+            redis_url=env.get("MAXKV_REDIS_URL") or None,
+            redis_namespace=env.get("MAXKV_REDIS_NAMESPACE") or "maxkv",
+            swap_bytes=int(swap * _GIB),
+        )
+
+    @property
+    def any_tier(self) -> bool:
+        """Whether blocks go anywhere beyond the device."""
+        return self.host_bytes > 0 or self.disk_dir is not None or self.redis_url is not None
+
+
+@dataclass
+class TierStats:
+    """What the store did (cumulative)."""
+
+    puts: int = 0
+    host_hits: int = 0
+    disk_hits: int = 0
+    redis_hits: int = 0
+    misses: int = 0
+    #: Writes to disk/Redis dropped because the write queue was full.
+    writes_dropped: int = 0
+    disk_writes: int = 0
+    redis_writes: int = 0
+    #: Blocks refused on their way back, per reason (corrupt, truncated, layout, key).
+    invalid: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["invalid"] = dict(self.invalid)
+        return out
+
+
+class TieredBlockStore:
+    """Host, disk and Redis tiers of one :class:`BlockLayout`, as configured.
+
+    Thread-safe.  Call :meth:`close` when done (it stops the writer thread).
+
+    Args:
+        layout: What the blocks are; blocks of another layout are refused.
+        config: The tiers and budgets.
+    """
+
+    def __init__(self, layout: BlockLayout, config: TierConfig) -> None:
+        self.layout = layout
+        self.config = config
+        self.stats = TierStats()
+        self.host = HostTier(config.host_bytes)
+        self.disk: DiskTier | None = None
+        if config.disk_dir is not None:
+            self.disk = DiskTier(Path(config.disk_dir) / layout.fingerprint, config.disk_bytes)
+        self.redis: RedisTier | None = None
+        if config.redis_url is not None:
+            self.redis = RedisTier(
+                config.redis_url,
+                f"{config.redis_namespace}@{layout.fingerprint}",
+                max_value_bytes=config.redis_max_value_bytes,
+                retry_s=config.redis_retry_s,
+                client=config.redis_client,
+            )
+        self._lock = threading.Lock()
+        self._inflight: dict[bytes, threading.Event] = {}
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._queued_bytes = 0
+        self._writer: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def remote_tiers(self) -> bool:
+        """Whether there is a disk or Redis tier (and so a writer thread)."""
+        return self.disk is not None or self.redis is not None
+
+    # ----------------------------------------------------------------- queries
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` some tier holds (Redis: one round trip for those not local)."""
+        found = [k in self.host or (self.disk is not None and k in self.disk) for k in keys]
+        if self.redis is not None:
+            rest = [i for i, hit in enumerate(found) if not hit]
+            if rest:
+                remote = self.redis.contains([keys[i] for i in rest])
+                for i, hit in zip(rest, remote, strict=True):
+                    found[i] = hit
+        return found
+
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` some tier holds."""
+        count = 0
+        for hit in self.contains(keys):
+            if not hit:
+                break
+            count += 1
+        return count
+
+    def get(self, key: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The block under ``key`` from the nearest tier with a valid copy (then kept in host)."""
+        entry = self.host.get(key)
+        if entry is not None:
+            with self._lock:
+                self.stats.host_hits += 1
+            return entry
+        # Each block is read from disk or Redis once, however many ask at the same
+        # time (a prefetch and a load): the others wait for that read, not for the
+        # whole prefetch.
+        with self._lock:
+            reading = self._inflight.get(key)
+            if reading is None:
+                self._inflight[key] = reading = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                fetched = self._fetch(key)
+            finally:
+                with self._lock:
+                    del self._inflight[key]
+                reading.set()
+        else:
+            reading.wait()
+            fetched = self.host.get(key)
+        if fetched is not None:
+            return fetched
+        with self._lock:
+            self.stats.misses += 1
+        return None
+
+    def _fetch(self, key: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The block from disk, else Redis, checked (then kept in host); ``None`` if neither."""
+        for name, tier in (("disk", self.disk), ("redis", self.redis)):
+            if tier is None:
+                continue
+            data = tier.get(key)
+            if data is None:
+                continue
+            try:
+                array, extra = decode_block(self.layout, key, data)
+            except BlockInvalid as invalid:
+                with self._lock:
+                    self.stats.invalid[invalid.reason] += 1
+                logger.warning("maxkv %s tier: dropped block %s (%s)", name, key.hex(), invalid)
+                tier.drop(key)
+                continue
+            with self._lock:
+                if name == "disk":
+                    self.stats.disk_hits += 1
+                else:
+                    self.stats.redis_hits += 1
+            self.host.put(key, array, extra)
+            return array, extra
+        return None
+
+    # ----------------------------------------------------------------- changes
+
+    def put(self, key: bytes, array: np.ndarray, extra: dict[str, Any] | None = None) -> None:
+        """Keeps ``array`` (handed over, not copied): host now, disk and Redis soon."""
+        self.layout.check_shape(tuple(array.shape))
+        with self._lock:
+            self.stats.puts += 1
+        self.host.put(key, array, extra)
+        if not self.remote_tiers:
+            return
+        with self._lock:
+            if self._queued_bytes + array.nbytes > self.config.write_queue_bytes:
+                self.stats.writes_dropped += 1
+                return
+            self._queued_bytes += array.nbytes
+        self._start_writer()
+        self._queue.put(("write", (key, array, extra)))
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Brings ``keys`` from disk or Redis into host memory in the background."""
+        missing = [k for k in keys if k not in self.host]
+        if missing and self.remote_tiers:
+            self._start_writer()
+            self._queue.put(("prefetch", missing))
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks ``keys`` recently used in the host tier (blocks served from the device)."""
+        self.host.touch(list(keys))
+
+    def clear_local(self) -> None:
+        """Forgets the host and disk tiers (Redis is shared: left alone)."""
+        self.flush()
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every queued write and prefetch is done."""
+        if self._writer is not None:
+            self._queue.join()
+        del timeout
+
+    def close(self) -> None:
+        """Finishes queued work, stops the writer thread, closes the Redis client."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+        if self.redis is not None:
+            self.redis.close()
+
+    # --------------------------------------------------------------- the writer
+
+    def _start_writer(self) -> None:
+        with self._lock:
+            if self._writer is None and not self._closed:
+                self._writer = threading.Thread(
+                    target=self._work, name="maxkv-tier-writer", daemon=True
+                )
+                self._writer.start()
+
+    def _work(self) -> None:
+        # Idle cycles only: the model's threads come first (nice +10, this thread alone).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            task = self._queue.get()
+            tasks = [task]
+            # Writes waiting together go out together: one Redis round trip.
+            while task is not None and task[0] == "write" and len(tasks) < 16:
+                try:
+                    task = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                tasks.append(task)
+            try:
+                writes = [t[1] for t in tasks if t is not None and t[0] == "write"]
+                if writes:
+                    self._write(writes)
+                for t in tasks:
+                    if t is not None and t[0] == "prefetch":
+                        self._prefetch(t[1])
+            except Exception:
+                logger.exception("maxkv tier writer: a task failed")
+            finally:
+                for _ in tasks:
+                    self._queue.task_done()
+            if any(t is None for t in tasks):
+                return
+
+    def _prefetch(self, keys: list[bytes]) -> None:
+        """Brings ``keys`` into host memory (each block once, however many ask)."""
+        for key in keys:
+            if key not in self.host:
+                self.get(key)
+
+    def _write(self, writes: list[tuple[bytes, np.ndarray, dict[str, Any] | None]]) -> None:
+        try:
+            encoded = [(key, encode_block(self.layout, key, a, extra)) for key, a, extra in writes]
+            if self.disk is not None:
+                for key, data in encoded:
+                    if self.disk.put(key, data):
+                        with self._lock:
+                            self.stats.disk_writes += 1
+            if self.redis is not None and self.redis.put_many(encoded):
+                with self._lock:
+                    self.stats.redis_writes += len(encoded)
+        finally:
+            with self._lock:
+                self._queued_bytes -= sum(a.nbytes for _, a, _ in writes)
