@@ -229,6 +229,27 @@ def test_max_version_pin() -> None:
 
 
 @pytest.mark.unit
+def test_model_identity_follows_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from maxkv.serving.pipelines.model import model_identity
+
+    monkeypatch.setenv("MAXKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MAXKV_MODEL_ID", raising=False)
+    first, second = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    weights = bytes(3 << 20)
+    for directory, last in ((first, 0), (second, 1)):  # differ in the very last byte
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(weights[:-1] + bytes([last]))
+        (directory / "config.json").write_text("{}")
+    assert model_identity(first) != model_identity(second)
+    before = model_identity(first)
+    assert model_identity(first) == before  # remembered: the same answer
+    (first / "config.json").write_text('{"changed": 1}')
+    assert model_identity(first) != before  # a changed file is hashed again
+    monkeypatch.setenv("MAXKV_MODEL_ID", "my-finetune@v3")
+    assert model_identity(first) == "my-finetune@v3"
+
+
+@pytest.mark.unit
 def test_cache_fit_check() -> None:
     from maxkv.serving.pipelines.model import CacheDoesNotFitError, check_cache_fits
 

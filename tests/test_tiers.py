@@ -77,6 +77,9 @@ def test_block_round_trip_and_every_refusal() -> None:
     flipped[-5] ^= 0x40
     assert reason(LAYOUT, key(1), bytes(flipped)) == "corrupt"
     assert reason(LAYOUT, key(1), b"NOTMAXKV" + data[8:]) == "corrupt"
+    start = bytes(data).index(b'"start": 3')  # a valid header saying something else
+    forged_start = data[:start] + b'"start": 4' + data[start + 10 :]
+    assert reason(LAYOUT, key(1), forged_start) == "corrupt"  # the header's own CRC-32
     assert reason(LAYOUT, key(2), data) == "key"
     for other in (
         BlockLayout("other-model", "page", 2, 2, 4, "float32", 4),
@@ -227,6 +230,26 @@ def test_store_reads_through_disk_and_redis_and_drops_bad_blocks(tmp_path: Path)
     got = [restarted.get(key(i)) for i in range(4)]
     assert sum(g is None for g in got) == 1 and restarted.stats.invalid == {"truncated": 1}
     restarted.close()
+
+
+def test_a_command_redis_refuses_is_an_outage_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import redis
+
+    class RefusingClient(fakeredis.FakeRedis):  # an ACL user who may not read
+        def get(self, *args: object, **kwargs: object) -> None:
+            raise redis.exceptions.NoPermissionError("NOPERM this user has no permissions")
+
+    store = store_with(Path("."), redis_url="redis://fake:0/0", redis_client=RefusingClient())
+    with caplog.at_level(logging.WARNING, logger="maxkv.tiers"):
+        assert store.get(key(1)) is None and store.get(key(2)) is None
+    assert store.redis.errors == 1 and not store.redis.up  # type: ignore[union-attr]
+    assert sum("unreachable" in r.message for r in caplog.records) == 1
+    store.close()
+    store.put(key(3), block(3))  # after close: host memory only, and flush returns
+    store.flush()
+    assert key(3) in store.host
 
 
 def test_write_queue_never_waits(tmp_path: Path) -> None:

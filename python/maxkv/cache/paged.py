@@ -51,6 +51,7 @@ cached and writing the others back, so nothing is recomputed.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ from .spec import CacheSpec, KVCacheInputs
 
 if TYPE_CHECKING:
     from ..tiers.connector import TieredConnector
+
+logger = logging.getLogger("maxkv.tiers")
 
 __all__ = ["UNUSED_PAGE", "PagedKVCacheManager", "SwappedSequence"]
 
@@ -300,6 +303,23 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 in_tiers += 1
         return pages, hashes, in_tiers
 
+    def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
+        """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
+        take now: its pages, less the cached ones other sequences hold (free cached
+        pages and pages loaded from the tiers come from the free pages too)."""
+        with self._lock:
+            tokens = self._prompt(prompt)
+            held = 0
+            if self._prefix_caching:
+                pages, _, _ = self._prefix_blocks(tokens, salt)
+                held = sum(1 for p in pages if self._pool.refcount(p) > 0)
+            return self.storage_units(len(tokens)) - held
+
+    @property
+    def host_pages(self) -> bool:
+        """Whether the pages are in host memory (tiers and swap need it: a CPU cache)."""
+        return all(b.is_host for b in self._pages)
+
     def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
         """Pages of ``prompt``'s prefix :meth:`claim_prefix` would reuse now: ``(on the
         device, then from the KV tiers)`` (no change; MAX's ``PrefixCacheHits``)."""
@@ -355,6 +375,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
             try:
                 self._connector.load({LEAF: [page]}, {LEAF: [block]})
             except (KVLoadRefused, KVLoadFailed):
+                self._pool.free([page])
+                break
+            except Exception:  # a tier's own failure: recompute, never fail the claim
+                logger.exception("maxkv: loading block %s from the KV tiers failed", block.hex())
                 self._pool.free([page])
                 break
             registered = self._pool.register(page, block)

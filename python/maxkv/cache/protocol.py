@@ -340,6 +340,9 @@ class KVCacheManagerBase(ABC):
     def reset_prefix_cache(self) -> None:
         """Forgets the cached prefixes (no later claim reuses them); sequences keep their KV.
 
+        With KV tiers (paged), the host and disk tiers are cleared too; the Redis
+        tier is shared with other processes and keeps its blocks.
+
         Raises:
             ValueError: If prefix caching is off.
         """

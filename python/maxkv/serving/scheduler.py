@@ -95,6 +95,8 @@ class Request:
     swapped: SwappedSequence | None = None
     #: Whether its prefix's blocks were asked to come to host memory (KV tiers).
     prefetched: bool = False
+    #: Whether it was admitted before (``preemption="recompute"`` counts it once).
+    admitted: bool = False
 
     @property
     def context(self) -> list[int]:
@@ -198,6 +200,8 @@ class ContinuousBatchingScheduler:
             )
         if preemption != "wait" and not isinstance(manager, PagedKVCacheManager):
             raise ValueError(f"preemption={preemption!r} needs a PagedKVCacheManager")
+        if preemption == "swap" and not manager.host_pages:  # type: ignore[attr-defined]
+            raise ValueError("preemption='swap' copies pages to host memory: a CPU cache only")
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
                 f"max_batch_size and num_steps must be >= 1, got {max_batch_size}, {num_steps}"
@@ -403,7 +407,7 @@ class ContinuousBatchingScheduler:
         while len(new) < room and self._swapped:
             request = self._swapped[0]
             assert request.swapped is not None
-            pages = manager.swap_in_pages(request.swapped) + 1
+            pages = manager.swap_in_pages(request.swapped)
             if manager.free_pages < pages + len(running) + len(new):
                 return new  # nothing new overtakes a swapped-out request
             try:
@@ -418,9 +422,7 @@ class ContinuousBatchingScheduler:
             if self.prefix_caching and new and self._shares_uncached_prefix(request, new):
                 break
             tokens = request.context
-            cached = self.manager.cached_prefix_length(tokens) if self.prefix_caching else 0
-            pages = self.manager.storage_units(len(tokens) + self.num_steps)
-            pages -= cached // self.manager.prefix_block_size if cached else 0
+            pages = manager.pages_to_claim(tokens)
             if manager.free_pages < pages + len(running) + len(new):
                 stats.page_waits += 1
                 break
@@ -432,9 +434,10 @@ class ContinuousBatchingScheduler:
                 cached = 0
             request.seq_id = seq_id
             request.pending = tokens[cached:]
-            if request.output:  # readmitted after a preemption by recompute
+            if request.admitted:  # again, after a preemption by recompute
                 stats.recomputed_tokens += len(request.pending)
             else:
+                request.admitted = True
                 request.cached_tokens = cached
                 stats.prefix_cache_hit_tokens += cached
                 stats.prompt_tokens += len(request.prompt)

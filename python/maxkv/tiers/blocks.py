@@ -2,7 +2,8 @@
 
 A block is the KV of one page (or one CacheBlend chunk) as a NumPy array.
 Before it leaves the process (disk, Redis) it is framed as
-``MAGIC | header length (u32) | JSON header | payload``; the header names
+``MAGIC | header length (u32) | CRC-32 of the header (u32) | JSON header |
+payload``; the header names
 everything that makes the block valid to reuse, and a reader refuses a block
 whose header disagrees with its own :class:`BlockLayout` or whose payload
 does not match its length and CRC-32.  A refused block is never used: the
@@ -23,7 +24,7 @@ import numpy as np
 __all__ = ["MAGIC", "BlockInvalid", "BlockLayout", "decode_block", "encode_block"]
 
 MAGIC = b"MAXKVB1\0"
-_LENGTH = struct.Struct("<I")
+_PREFIX = struct.Struct("<II")  # header length, header CRC-32
 
 
 class BlockInvalid(Exception):
@@ -84,6 +85,8 @@ class BlockLayout:
         Pages have :meth:`page_shape`; chunks ``[2, num_layers, tokens,
         n_kv_heads, head_dim]`` with any ``tokens >= 1``.
         """
+        if any(n < 1 for n in shape):
+            raise BlockInvalid("layout", f"shape {shape} has an empty or negative dimension")
         if self.kind == "page":
             expected = self.page_shape()
             ok = shape == expected
@@ -109,7 +112,7 @@ def encode_block(
         "extra": extra or {},
     }
     head = json.dumps(header, sort_keys=True).encode()
-    return b"".join([MAGIC, _LENGTH.pack(len(head)), head, payload])
+    return b"".join([MAGIC, _PREFIX.pack(len(head), zlib.crc32(head)), head, payload])
 
 
 def decode_block(
@@ -118,27 +121,30 @@ def decode_block(
     """The array and ``extra`` of a block's bytes, checked against ``layout`` and ``key``.
 
     Raises:
-        BlockInvalid: ``"truncated"``, ``"corrupt"`` (magic, header or CRC-32),
+        BlockInvalid: ``"truncated"``, ``"corrupt"`` (magic, a CRC-32, the header),
             ``"layout"`` (other model, dtype, layout or shape) or ``"key"``
             (stored under another hash).
     """
     view = memoryview(data)
-    start = len(MAGIC) + _LENGTH.size
+    start = len(MAGIC) + _PREFIX.size
     if len(view) < start:
         raise BlockInvalid("truncated", f"{len(view)} bytes, not even a header")
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise BlockInvalid("corrupt", "not a maxkv block (magic)")
-    (head_len,) = _LENGTH.unpack(view[len(MAGIC) : start])
+    head_len, head_crc = _PREFIX.unpack(view[len(MAGIC) : start])
     if len(view) < start + head_len:
         raise BlockInvalid("truncated", "header cut short")
+    head = view[start : start + head_len]
+    if zlib.crc32(head) != head_crc:
+        raise BlockInvalid("corrupt", "CRC-32 of the header does not match")
     try:
-        header = json.loads(bytes(view[start : start + head_len]))
+        header = json.loads(bytes(head))
         stored = BlockLayout(**header["layout"])
         shape = tuple(int(n) for n in header["shape"])
         nbytes, crc = int(header["nbytes"]), int(header["crc32"])
         stored_key = str(header["key"])
         extra = dict(header["extra"])
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
     if stored != layout:
         raise BlockInvalid("layout", f"block of {stored}, expected {layout}")

@@ -9,8 +9,8 @@ itself, written last: a reader that finds the metadata finds every part, and
 a block cut short anyway (a part evicted by the server) fails its length or
 CRC-32 check and is dropped.
 
-Redis being unreachable is not an error for serving: a failed call marks the
-tier down (one warning, :attr:`RedisTier.errors` counts), calls in the next
+Redis being unreachable (or refusing a command) is not an error for serving: a
+failed call marks the tier down (one warning, :attr:`RedisTier.errors` counts), calls in the next
 ``retry_s`` seconds return at once as misses, and the first call that
 succeeds after that logs the reconnection (:attr:`RedisTier.reconnects`).
 The server's own memory limit (``maxmemory``, an ``allkeys-lru`` policy)
@@ -53,7 +53,7 @@ class RedisTier:
         *,
         max_value_bytes: int = 64 << 20,
         retry_s: float = 5.0,
-        timeout_s: float = 2.0,
+        timeout_s: float = 1.0,
         client: Any = None,
     ) -> None:
         if max_value_bytes < 1:
@@ -63,9 +63,10 @@ class RedisTier:
         except ImportError:
             raise ImportError("the Redis tier needs redis-py: pip install 'maxkv[redis]'") from None
 
+        # Every Redis error, not only a lost connection: a refused command (ACL,
+        # a cluster's MOVED, READONLY, OOM) must not reach serving either.
         self._errors_caught: tuple[type[BaseException], ...] = (
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
+            redis.exceptions.RedisError,
             OSError,
         )
         self.url = url

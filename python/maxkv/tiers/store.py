@@ -143,6 +143,14 @@ class TierConfig:
 
 
 @dataclass
+class _Reading:
+    """One read of a block from disk or Redis, which other askers wait for."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[np.ndarray, dict[str, Any]] | None = None
+
+
+@dataclass
 class TierStats:
     """What the store did (cumulative)."""
 
@@ -192,7 +200,7 @@ class TieredBlockStore:
                 client=config.redis_client,
             )
         self._lock = threading.Lock()
-        self._inflight: dict[bytes, threading.Event] = {}
+        self._inflight: dict[bytes, _Reading] = {}
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._queued_bytes = 0
         self._writer: threading.Thread | None = None
@@ -238,20 +246,21 @@ class TieredBlockStore:
         with self._lock:
             reading = self._inflight.get(key)
             if reading is None:
-                self._inflight[key] = reading = threading.Event()
+                self._inflight[key] = reading = _Reading()
                 mine = True
             else:
                 mine = False
         if mine:
             try:
-                fetched = self._fetch(key)
+                reading.result = self._fetch(key)
             finally:
                 with self._lock:
                     del self._inflight[key]
-                reading.set()
+                reading.done.set()
+            fetched = reading.result
         else:
-            reading.wait()
-            fetched = self.host.get(key)
+            reading.done.wait()
+            fetched = reading.result
         if fetched is not None:
             return fetched
         with self._lock:
@@ -291,7 +300,7 @@ class TieredBlockStore:
         with self._lock:
             self.stats.puts += 1
         self.host.put(key, array, extra)
-        if not self.remote_tiers:
+        if not self.remote_tiers or self._closed:
             return
         with self._lock:
             if self._queued_bytes + array.nbytes > self.config.write_queue_bytes:
@@ -304,7 +313,7 @@ class TieredBlockStore:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Brings ``keys`` from disk or Redis into host memory in the background."""
         missing = [k for k in keys if k not in self.host]
-        if missing and self.remote_tiers:
+        if missing and self.remote_tiers and not self._closed:
             self._start_writer()
             self._queue.put(("prefetch", missing))
 
@@ -319,11 +328,10 @@ class TieredBlockStore:
         if self.disk is not None:
             self.disk.clear()
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self) -> None:
         """Waits until every queued write and prefetch is done."""
-        if self._writer is not None:
+        if self._writer is not None and self._writer.is_alive():
             self._queue.join()
-        del timeout
 
     def close(self) -> None:
         """Finishes queued work, stops the writer thread, closes the Redis client."""
@@ -378,10 +386,11 @@ class TieredBlockStore:
                 return
 
     def _prefetch(self, keys: list[bytes]) -> None:
-        """Brings ``keys`` into host memory (each block once, however many ask)."""
+        """Brings ``keys`` (a prefix, in order) into host memory, up to the first that no
+        tier holds: what follows it could not be reused anyway."""
         for key in keys:
-            if key not in self.host:
-                self.get(key)
+            if key not in self.host and self.get(key) is None:
+                return
 
     def _write(self, writes: list[tuple[bytes, np.ndarray, dict[str, Any] | None]]) -> None:
         try:

@@ -17,7 +17,7 @@ environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
   caching, CPU): configured by :meth:`maxkv.tiers.TierConfig.from_env`
   (``MAXKV_HOST_TIER_GB``, default 1; ``MAXKV_DISK_TIER_DIR`` /
   ``MAXKV_DISK_TIER_GB``; ``MAXKV_REDIS_URL``), blocks named by
-  :func:`model_identity` of the checkpoint.
+  :func:`model_identity` of the checkpoint (or ``MAXKV_MODEL_ID``).
 - ``contiguous``: a :class:`~maxkv.ContinuousBatchingKVCacheManager` with one
   slot of ``--max-length`` tokens per ``--max-batch-size``; with prefix
   caching, cached rows are copied into a request's slot.
@@ -50,6 +50,7 @@ from ...cache.contiguous import ContinuousBatchingKVCacheManager
 from ...cache.paged import PagedKVCacheManager
 from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
+from ...cachedir import cache_dir
 from ...models.gguf_file import read_gguf_quantized
 from ...models.llama import LlamaModel, cache_params
 from ...models.loading import load_llama, model_file
@@ -201,17 +202,45 @@ def checkpoint_path(pipeline_config: Any) -> Path:
     return Path(model.model_path)
 
 
+#: Names the weights for the KV tiers instead of :func:`model_identity`'s digest.
+MODEL_ID_ENV = "MAXKV_MODEL_ID"
+
+
 def model_identity(path: Path) -> str:
-    """Names a checkpoint for the KV tiers: its name, size and a digest of its first MiB
-    (every file of a directory), so that blocks of other weights are never reused."""
+    """Names a checkpoint for the KV tiers, so that blocks of other weights are never
+    reused: :data:`MODEL_ID_ENV` if set, else the checkpoint's name and a digest of
+    every file's contents (weights, configuration, tokenizer), each file hashed once
+    per size and modification time (remembered in maxkv's cache directory)."""
+    override = os.environ.get(MODEL_ID_ENV, "").strip()
+    if override:
+        return override
+    root = path if path.is_dir() else path.parent
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    digest = hashlib.blake2b(digest_size=12)
+    digest = hashlib.blake2b(digest_size=16)
     for file in files:
-        digest.update(f"{file.name}:{file.stat().st_size}".encode())
-        if file.suffix in (".gguf", ".safetensors", ".bin", ".json"):
-            with open(file, "rb") as f:
-                digest.update(f.read(1 << 20))
+        digest.update(f"{file.relative_to(root)}\0".encode() + _file_digest(file))
     return f"{path.name}@{digest.hexdigest()}"
+
+
+def _file_digest(file: Path) -> bytes:
+    """blake2b of ``file``'s bytes, remembered per (path, size, modification time)."""
+    stat = file.stat()
+    name = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    memo = cache_dir() / "digests" / hashlib.blake2b(name, digest_size=16).hexdigest()
+    try:
+        return bytes.fromhex(memo.read_text().strip())
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.blake2b(digest_size=16)
+    with open(file, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(digest.hexdigest())
+    except OSError:
+        pass  # a read-only cache directory: hash again next time
+    return digest.digest()
 
 
 def tokens_per_page(kv_cache_page_size: int) -> int:
