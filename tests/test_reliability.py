@@ -19,7 +19,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from max.driver import CPU, Buffer
 from max.dtype import DType
 
-from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
+from maxkv import (
+    CacheFullError,
+    ContinuousBatchingKVCacheManager,
+    KVCacheParams,
+    PagedKVCacheManager,
+)
+from maxkv.cache.paged import SwappedSequence
+from maxkv.tiers import TierConfig
 
 from .conftest import RELIABILITY_COUNTS
 from .fakes import NumpyCacheDevice
@@ -556,6 +563,8 @@ PREFIX_PAGE = 2
 PREFIX_PAGES = 12
 PREFIX_IDS = 4
 PREFIX_SEQ_LEN = 14
+#: One page of the machine's cache: [1 device, K/V, 1 layer, PREFIX_PAGE tokens, 1 head, 4].
+PREFIX_PAGE_BYTES = 2 * PREFIX_PAGE * 4 * 4
 SALTS = (None, "tenant-b")
 
 
@@ -607,8 +616,9 @@ class PagedPrefixModel:
 
 
 class PagedPrefixMachine(RuleBasedStateMachine):
-    """claim_prefix (with salts), claim, prefill and decode, fork, pop_n, release and
-    resets on a paged manager with prefix caching.
+    """claim_prefix (with salts), claim, prefill and decode, fork, pop_n, release,
+    swap out and in, and resets on a paged manager with prefix caching and a host
+    tier smaller than the pages (so claims also load prefixes the device evicted).
 
     Writes go through the page table ``fetch`` returns, with values that are
     a function of the whole prefix (as real keys and values are), so reading
@@ -632,8 +642,11 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             None,
             enable_prefix_caching=True,
             cache_device=NumpyCacheDevice(),
+            tiers=TierConfig(model_id="machine", host_bytes=PREFIX_PAGES * PREFIX_PAGE_BYTES),
         )
         self.model = PagedPrefixModel()
+        #: Swapped-out sequences: the handle, and the model's records of the sequence.
+        self.swapped: list[tuple[SwappedSequence, list[int], str | None, list[int]]] = []
         self.lookups = 0
         self.hit_tokens = 0
         RELIABILITY_COUNTS["paged prefix machine: examples"] += 1
@@ -667,8 +680,11 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             return
         lower, upper = self.model.bounds(prompt, salt)
         assert self.manager.cached_prefix_length(prompt, salt=salt) <= upper
+        from_tiers = self.manager.tier_hit_tokens
         seq, cached = self.manager.claim_prefix(prompt, salt=salt)
         assert cached % PREFIX_PAGE == 0 and lower <= cached <= upper, (lower, cached, upper)
+        if self.manager.tier_hit_tokens > from_tiers:
+            RELIABILITY_COUNTS["paged prefix machine: hits loaded from the host tier"] += 1
         self.lookups += 1
         self.hit_tokens += cached
         if cached:
@@ -772,6 +788,53 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         del self.model.tokens[seq], self.model.salt[seq], self.model.pending[seq]
         del self.model.registered[seq]
 
+    @rule()
+    def evict_device_cache(self) -> None:
+        """A throwaway sequence takes every free page (evicting the cached ones) and lets
+        go: the prefixes nobody holds are then in the host tier only."""
+        m = self.manager
+        free = m.free_pages
+        if len(self.live()) == PREFIX_IDS or free == 0:
+            return
+        (seq,) = m.claim(1)
+        m.reserve({seq: min(free * PREFIX_PAGE, PREFIX_SEQ_LEN)})
+        m.release(seq)
+        RELIABILITY_COUNTS["paged prefix machine: device cache evicted"] += 1
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live()))
+        swapped = self.manager.swap_out(seq)
+        self.swapped.append(
+            (swapped, self.model.tokens.pop(seq), self.model.salt.pop(seq),
+             self.model.pending.pop(seq))
+        )  # fmt: skip
+        del self.model.registered[seq]
+        RELIABILITY_COUNTS["paged prefix machine: swapped out"] += 1
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        m = self.manager
+        index = data.draw(st.integers(0, len(self.swapped) - 1))
+        swapped, tokens, salt, pending = self.swapped[index]
+        if len(self.live()) == PREFIX_IDS or m.swap_in_pages(swapped) > m.free_pages:
+            before = self.state()
+            with pytest.raises(CacheFullError):
+                m.swap_in(swapped)
+            assert self.state() == before
+            RELIABILITY_COUNTS["paged prefix machine: swap in refused"] += 1
+            return
+        seq = m.swap_in(swapped)
+        del self.swapped[index]
+        self.model.tokens[seq], self.model.salt[seq] = tokens, salt
+        self.model.pending[seq], self.model.registered[seq] = pending, True
+        self.model.commit(seq)  # its full pages are registered again
+        with pytest.raises(ValueError, match="swapped in already"):
+            m.swap_in(swapped)
+        RELIABILITY_COUNTS["paged prefix machine: swapped in"] += 1
+
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:
         if data.draw(st.integers(0, 9), label="rarely") != 0:
@@ -800,6 +863,9 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         for page in range(PREFIX_PAGES):
             assert m.page_refcount(page) == holders.get(page, 0), f"page {page}"
         assert m.free_pages == PREFIX_PAGES - len(holders), "a page leaked"
+        assert m.swapped_bytes == sum(s.nbytes for s, *_ in self.swapped)
+        tiers = m.tiers
+        assert tiers is not None and tiers.host.used_bytes <= tiers.host.budget_bytes
         stats = m.prefix_cache_stats
         assert (stats.lookups, stats.hit_tokens) == (self.lookups, self.hit_tokens)
         RELIABILITY_COUNTS["paged prefix machine: steps"] += 1
