@@ -282,11 +282,12 @@ class PagedKVCacheManager(KVCacheManagerBase):
         return self.page_size
 
     def _prefix_blocks(
-        self, tokens: list[int], salt: str | None
+        self, tokens: list[int], salt: str | None, *, tiers: bool = True
     ) -> tuple[list[int], list[bytes], int]:
         """The longest page-aligned prefix of ``tokens[:-1]`` held somewhere: the
-        registered device pages of its start, the hashes of all its full
-        pages, and how many hashes after the device's a tier holds."""
+        registered device pages of its start, the hashes of all its full pages,
+        and how many hashes after the device's a tier holds (not asked if not
+        ``tiers``: 0)."""
         pages: list[int] = []
         hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
         for block in hashes:
@@ -295,7 +296,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 break
             pages.append(page)
         in_tiers = 0
-        if self._connector is not None and len(pages) < len(hashes):
+        if tiers and self._connector is not None and len(pages) < len(hashes):
             from ..tiers.connector import LEAF
 
             found = self._connector.lookup(hashes[len(pages) :])[LEAF]
@@ -311,7 +312,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             tokens = self._prompt(prompt)
             held = 0
             if self._prefix_caching:
-                pages, _, _ = self._prefix_blocks(tokens, salt)
+                pages, _, _ = self._prefix_blocks(tokens, salt, tiers=False)
                 held = sum(1 for p in pages if self._pool.refcount(p) > 0)
             return self.storage_units(len(tokens)) - held
 
@@ -335,12 +336,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if self._connector is None or not self._prefix_caching:
             return
         with self._lock:
-            tokens = self._prompt(prompt)
-            hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
-            on_device = 0
-            while on_device < len(hashes) and self._pool.lookup(hashes[on_device]) is not None:
-                on_device += 1
-        self._connector.store.prefetch(hashes[on_device:])
+            pages, hashes, _ = self._prefix_blocks(self._prompt(prompt), salt, tiers=False)
+        self._connector.store.prefetch(hashes[len(pages) :])
 
     def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
         pages, _, in_tiers = self._prefix_blocks(tokens, salt)

@@ -466,19 +466,17 @@ class ContinuousBatchingScheduler:
         assert isinstance(manager, PagedKVCacheManager)
         batch = list(batch)
         while len(batch) > 1:
+            # The manager's own reservation decides (copy-on-write included); a
+            # refusal changes nothing, and the round's fetch finds the pages there.
             steps = 1 if any(r in new for r in batch) else self._steps(batch)
-            need = sum(
-                max(
-                    0,
-                    manager.storage_units(
-                        manager.cache_lengths[_seq_id(r)] + len(r.pending) + steps - 1
-                    )
-                    - len(manager.pages(_seq_id(r))),
+            lengths = manager.cache_lengths
+            try:
+                manager.reserve(
+                    {_seq_id(r): lengths[_seq_id(r)] + len(r.pending) + steps - 1 for r in batch}
                 )
-                for r in batch
-            )
-            if need <= manager.free_pages:
                 break
+            except CacheFullError:
+                pass
             victim = batch.pop()
             stats.preemptions += 1
             seq_id = _seq_id(victim)
