@@ -82,6 +82,28 @@ def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
             kvops.store_kv_ragged(params, x, x, kv, 0)
 
 
+@pytest.mark.compile
+def test_token_copies_are_emitted_on_the_gpu_with_a_host_range(kernels: Path) -> None:
+    """fork / prefix reuse / copy-on-write copy rows on the cache's own device: the
+    copy op sits on the GPU, its range stays a host tensor, and a range on the GPU
+    is refused (the op reads it on the host)."""
+    params = KVCacheParams(DType.float32, 2, 16)
+    types = [
+        *cache_types(params, 2, GPU),
+        TensorType(DType.uint32, [2], CPU),
+        TensorType(DType.uint32, [2], GPU),
+    ]
+    with Graph("gpu_copy", input_types=types, custom_extensions=[kernels]) as graph:
+        *cache, host_range, device_range = (v.tensor for v in graph.inputs)
+        kv = FetchContinuousBatchingKVCacheCollection(params)(*cache)
+        copied = kvops.copy_tokens(params, kv, host_range)
+        assert same_device(copied.device, GPU)
+        with pytest.raises(ValueError, match="token_range"):
+            kvops.copy_tokens(params, kv, device_range)
+        graph.output(copied)
+    assert "maxkv.copy_tokens" in str(graph)
+
+
 @pytest.mark.unit
 def test_cache_inputs_on_different_devices_are_refused() -> None:
     params = KVCacheParams(DType.float32, 2, 16)
@@ -96,9 +118,9 @@ def test_cache_inputs_on_different_devices_are_refused() -> None:
 def test_row_copies_are_refused_up_front_where_they_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """fork, prefix caching and n > 1 copy cache rows, a CPU-only kernel: a GPU cache
-    refuses them with a clear error before anything changes (a CPU cache stands in
-    for the GPU one here by reporting ``copies_supported`` False)."""
+    """fork, prefix caching and n > 1 copy cache rows: MAX's device work copies on
+    every device, and a cache whose device work cannot (``copies_supported`` False,
+    patched in here) refuses them with a clear error before anything changes."""
     from max.driver import CPU as HostCPU
     from max.engine import InferenceSession
 
@@ -112,7 +134,7 @@ def test_row_copies_are_refused_up_front_where_they_cannot_run(
         ContinuousBatchingKVCacheManager, "copies_supported", property(lambda self: False)
     )
     (seq,) = manager.claim(1)
-    with pytest.raises(ValueError, match="fork copies cache rows, which maxkv does on the CPU"):
+    with pytest.raises(ValueError, match="fork copies cache rows, which this cache's device work"):
         manager.fork(seq)
     assert manager.cache_lengths == {seq: 0}  # nothing claimed for the child
     with pytest.raises(ValueError, match="prefix caching copies cache rows"):

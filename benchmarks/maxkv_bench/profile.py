@@ -33,7 +33,7 @@ from maxkv import ops as kvops
 from maxkv.cpu.arrays import aligned
 from maxkv.cpu.quantized import BlockQuantized
 from maxkv.models.config import LlamaConfig
-from maxkv.models.llama import LlamaModel, cache_params, graph_weights
+from maxkv.models.llama import LlamaModel, bfloat16_buffer, cache_params, graph_weights
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 from .timing import median_seconds
@@ -478,7 +478,7 @@ def matmul_dtypes(
                 "w": kvops.pack_linear_weight(w) if variant.startswith("maxkv") else w
             }
             if variant == "max_bfloat16":
-                registry["w"] = _bfloat16_buffer(w)
+                registry["w"] = bfloat16_buffer(w)
             models[variant] = session.load(g, weights_registry=registry)
         for batch in batches:
             x = Buffer.from_numpy(rng.standard_normal((batch, k), dtype=np.float32)).to(device)
@@ -491,11 +491,3 @@ def matmul_dtypes(
                 row[f"{variant}_ms"] = round(_time(model, [x], warmup, repeats), 3)
             rows.append(row)
     return rows
-
-
-def _bfloat16_buffer(array: np.ndarray) -> Buffer:
-    """``array`` rounded to bfloat16 (round to nearest even), as a MAX buffer."""
-    bits = np.ascontiguousarray(array, np.float32).view(np.uint32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    host = Buffer.from_numpy(rounded)
-    return host.view(DType.bfloat16, list(array.shape))

@@ -8,10 +8,13 @@ them for the contiguous collection and `maxkv.paged.<op>` for the paged one.
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.algorithm import sync_parallelize
+from max.algorithm.functional import elementwise
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.complex import ComplexSIMD
+from std.sys import size_of
+from layout import Coord
 
 from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
@@ -291,47 +294,89 @@ def copy_tokens[
     output: OutputTensor[dtype=DType.uint32, rank=1, ...],
     kv: C,
     token_range: InputTensor[dtype=DType.uint32, rank=1, ...],
+    ctx: DeviceContext,
 ) raises:
     """Copies tokens `[start, end)` of batch entry 0 into batch entry 1, all layers.
 
     The collection holds two sequences, `[source, destination]`; keys and
-    values of every layer are copied.  `token_range` is the host uint32
-    pair `(start, end)`; `end` must not pass the source's cache length and
-    both sequences must have storage for `end` tokens, in different rows.
-    Returns the number of tokens copied.
+    values of every layer are copied, on the collection's device (CPU or
+    GPU: one body, `elementwise` over the rows' vectors).  `token_range` is
+    the host uint32 pair `(start, end)`.  On CPU the op checks that `end`
+    does not pass the source's cache length, that both sequences have
+    storage for `end` tokens and that no copied row is shared; on a GPU the
+    lengths and tables are device memory, so the managers' bookkeeping
+    checks the same before they call.  `output[0]` = tokens copied.
     """
-    comptime assert is_cpu[target](), "maxkv.copy_tokens runs on CPU"
     if kv.batch() != 2:
         raise Error("maxkv.copy_tokens: the collection must hold [source, destination]")
     if token_range.dim_size(0) != 2:
         raise Error("maxkv.copy_tokens: token_range must be (start, end)")
     var start = Int(token_range.unsafe_ptr()[unsafe_offset=0])
     var end = Int(token_range.unsafe_ptr()[unsafe_offset=1])
-    if start > end or end > kv.cache_length(0):
-        raise Error(
-            "maxkv.copy_tokens: cannot copy tokens [", start, ", ", end, ") of a sequence of ",
-            kv.cache_length(0),
-        )
-    kv.check_extent(0, end)
-    kv.check_extent(1, end)
-    for t in range(start, end):
-        if kv.row_ptr(0, 0, 0, t) == kv.row_ptr(0, 0, 1, t):
-            raise Error("maxkv.copy_tokens: source and destination share token ", t)
-    output[0] = UInt32(end - start)
+    if start > end:
+        raise Error("maxkv.copy_tokens: start ", start, " is past end ", end)
+
+    comptime if is_cpu[target]():
+        if end > kv.cache_length(0):
+            raise Error(
+                "maxkv.copy_tokens: cannot copy tokens [", start, ", ", end,
+                ") of a sequence of ", kv.cache_length(0),
+            )
+        kv.check_extent(0, end)
+        kv.check_extent(1, end)
+        for t in range(start, end):
+            if kv.row_ptr(0, 0, 0, t) == kv.row_ptr(0, 0, 1, t):
+                raise Error("maxkv.copy_tokens: source and destination share token ", t)
+
+    var copied = UInt32(end - start)
+
+    # Captured by value: a GPU kernel cannot reach this function's stack.
+    @always_inline
+    @__copy_capture(output, copied)
+    @parameter
+    def count[width: Int, alignment: Int = 1](idx: Coord):
+        output[0] = copied
+
+    elementwise[count, simd_width=1, target=target](1, ctx)
     if end == start:
         return
+    # A work item is one vector of a row on a GPU (a thread each) and a
+    # whole row on CPU (`elementwise` spreads the rows over the cores).  Rows
+    # are [num_heads * head_dim] contiguous elements, so a vector never
+    # straddles two rows (or two pages).
     comptime row = num_heads * head_dim
-    var jobs = 2 * kv.num_layers()
-    var workers = max(1, min(parallelism_level(None), jobs))
+    comptime element = size_of[C.View.dtype]()
+    comptime vector = 16 // element  # 16 bytes: one vector access per thread
+    comptime width = vector if row % vector == 0 else 1
+    comptime per_item = row // width if is_cpu[target]() else 1
+    comptime items_per_row = row // (width * per_item)
+    var tokens = end - start
 
-    def work(worker: Int) {imm}:
-        for job in range(worker * jobs // workers, (worker + 1) * jobs // workers):
-            var kv_idx = job % 2
-            var layer = job // 2
-            for t in range(start, end):
-                _copy_row(kv.row_ptr(kv_idx, layer, 1, t), kv.row_ptr(kv_idx, layer, 0, t), row)
+    @always_inline
+    @__copy_capture(kv, start, tokens)
+    @parameter
+    def copy[w: Int, alignment: Int = 1](idx: Coord):
+        var i = Int(idx[0].value())
+        var t = start + (i // items_per_row) % tokens
+        var job = i // (items_per_row * tokens)
+        var kv_idx = job % 2
+        var layer = job // 2
+        var src = kv.row_ptr(kv_idx, layer, 0, t)
+        var dst = kv.row_ptr(kv_idx, layer, 1, t)
+        # On a GPU rows start at multiples of `row` elements of a device
+        # allocation, so each vector is aligned to its own size (one 16-byte
+        # access); CPU loads need no alignment.
+        comptime align = element if is_cpu[target]() else width * element
+        var first = (i % items_per_row) * per_item * width
+        for v in range(per_item):
+            var col = first + v * width
+            dst.unsafe_store[alignment=align](
+                col, src.unsafe_load[width=width, alignment=align](col)
+            )
 
-    sync_parallelize(work, workers)
+    elementwise[copy, simd_width=1, target=target](
+        2 * kv.num_layers() * tokens * items_per_row, ctx
+    )
 
 
 # ----------------------------------------------------- contiguous collection
@@ -403,7 +448,7 @@ struct CopyTokens:
         ctx: DeviceContext,
     ) raises:
         copy_tokens[num_heads=num_heads, head_dim=head_dim, target=target](
-            output, kv, token_range
+            output, kv, token_range, ctx
         )
 
 
@@ -479,7 +524,7 @@ struct PagedCopyTokens:
         ctx: DeviceContext,
     ) raises:
         copy_tokens[num_heads=num_heads, head_dim=head_dim, target=target](
-            output, kv, token_range
+            output, kv, token_range, ctx
         )
 
 

@@ -31,7 +31,7 @@ from .kv_trait import MaxkvKVCollection
 
 struct ContinuousBatchingKVCacheCollection[
     dtype_name: StaticString, num_heads: Int, head_dim: Int
-](ImplicitlyCopyable, MaxkvKVCollection, Movable):
+](MaxkvKVCollection, TrivialRegisterPassable):
     """A borrowed view of the KV cache for the sequences of one batch.
 
     Parameters:

@@ -19,8 +19,10 @@ def read_cache_lengths[
         raise Error("maxkv.cache_lengths: output length differs from the batch size")
     var key_cache = kv.view().get_key_cache(0)
 
-    @parameter
+    # Captured by value: a GPU kernel cannot reach this function's stack.
     @always_inline
+    @__copy_capture(output, key_cache)
+    @parameter
     def read[width: Int, alignment: Int = 1](idx: Coord):
         var b = Int(idx[0].value())
         output[b] = UInt32(key_cache.cache_length(b))

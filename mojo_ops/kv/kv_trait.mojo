@@ -10,7 +10,7 @@ this trait; each collection gets a thin registration per op.
 from kv_cache.types import KVCollectionT
 
 
-trait MaxkvKVCollection(ImplicitlyCopyable):
+trait MaxkvKVCollection(TrivialRegisterPassable):
     """A maxkv cache collection: contiguous slots or pages.
 
     `view()` is MAX's own collection over the same memory (what MAX's

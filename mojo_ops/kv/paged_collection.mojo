@@ -32,7 +32,7 @@ from .kv_trait import MaxkvKVCollection
 
 struct PagedKVCacheCollection[
     dtype_name: StaticString, num_heads: Int, head_dim: Int, page_size: Int
-](ImplicitlyCopyable, MaxkvKVCollection, Movable):
+](MaxkvKVCollection, TrivialRegisterPassable):
     """A borrowed view of the paged KV cache for the sequences of one batch.
 
     Parameters:

@@ -57,7 +57,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             only with a ``cache_device``).
         enable_prefix_caching: Record the token ids each slot holds and reuse
             prefixes in :meth:`claim_prefix` (then :meth:`step` needs the ids).
-            Reuse copies rows, so CPU caches only (:attr:`copies_supported`).
+            Reuse copies rows on the cache's device (:attr:`copies_supported`).
         prefix_block_size: Tokens per hashed block (prefix caching).
         cache_device: The device work (zero fill, increments, copies);
             default MAX's (:class:`~maxkv.cache.device.MaxCacheDevice`).

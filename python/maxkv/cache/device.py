@@ -11,7 +11,7 @@ per session and shared by every manager of the same shape:
   device, for the steps of a multistep round (no host round trip);
 - the copy graph: tokens ``[start, end)`` of one sequence into another, all
   layers, through the ``maxkv.copy_tokens`` op (fork, prefix reuse on the
-  contiguous cache, copy-on-write of a page); CPU caches only.
+  contiguous cache, copy-on-write of a page), on CPU and GPU caches alike.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class MaxCacheDevice:
 
     @property
     def copies_supported(self) -> bool:
-        """Token copies run on CPU caches only (``maxkv.copy_tokens`` is a CPU op)."""
-        return all(ref.is_cpu() for ref in self._refs)
+        """True: ``maxkv.copy_tokens`` runs on the CPU and on GPUs."""
+        return True
 
     def zeros(self, shape: Sequence[int], dtype: DType) -> list[Buffer]:
         """One zero-filled ``shape`` buffer per device, filled before this returns.
@@ -111,7 +111,7 @@ class MaxCacheDevice:
             result.to_numpy()
 
     def warm_up(self) -> None:
-        """Compiles the graphs now rather than on first use (the copy graph: CPU only)."""
+        """Compiles the graphs now rather than on first use."""
         if self._increment is None:
             self._increment = compiled_once(
                 self.session, self._key("increment"), self._increment_graph

@@ -129,8 +129,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         enable_prefix_caching: Register full pages under the hash of their
             tokens and share them with later prompts (:meth:`claim_prefix`);
             :meth:`step` then needs the committed token ids.  Sharing needs
-            no copy, so any device; a copy-on-write (after ``pop_n`` into a
-            registered page) copies on the CPU only.
+            no copy; a copy-on-write (after ``pop_n`` into a registered page)
+            copies one page on the cache's device.
         cache_device: The device work (zero fill, increments, copies);
             default MAX's (:class:`~maxkv.cache.device.MaxCacheDevice`).
         tiers: KV tiers beyond the device (:class:`~maxkv.tiers.TierConfig`:

@@ -668,7 +668,8 @@ class KVCacheManagerBase(ABC):
     @property
     def copies_supported(self) -> bool:
         """Whether this cache can copy token rows (fork, prefix reuse on the contiguous
-        cache, copy-on-write): CPU caches only."""
+        cache, copy-on-write): MAX's device work can, on the CPU and on GPUs; a
+        :class:`CacheDevice` given to the manager may not."""
         return self.cache_device.copies_supported
 
     def warm_up(self) -> None:
@@ -756,8 +757,8 @@ class KVCacheManagerBase(ABC):
     def _require_copies(self, what: str) -> None:
         if not self.copies_supported:
             raise ValueError(
-                f"{what} copies cache rows, which maxkv does on the CPU only; this cache is on "
-                f"{', '.join(str(d) for d in self.devices)}"
+                f"{what} copies cache rows, which this cache's device work "
+                f"({type(self.cache_device).__name__}) cannot do"
             )
 
     def _copy_tokens(self, inputs: list[KVCacheInputs], start: int, end: int) -> None:

@@ -490,10 +490,12 @@ def copy_tokens(
     """Copies tokens ``[start, end)`` of batch entry 0 into batch entry 1, every layer.
 
     The collection must hold two sequences, ``[source, destination]``: keys
-    and values of every layer are copied on the device (``fork``, prefix
-    caching, copy-on-write of a shared page).  The Mojo op checks (CPU) that
-    ``end`` is within the source's cache length, that both sequences have
-    storage for ``end`` tokens and that no copied row is shared.
+    and values of every layer are copied on the collection's device, CPU or
+    GPU (``fork``, prefix caching, copy-on-write of a shared page).  On the
+    CPU the Mojo op checks that ``end`` is within the source's cache length,
+    that both sequences have storage for ``end`` tokens and that no copied
+    row is shared; on a GPU the lengths and tables are device memory, and
+    the managers' bookkeeping checks the same before they call.
 
     Args:
         params: The cache parameters the collection was built with.
@@ -505,8 +507,6 @@ def copy_tokens(
     """
     collection = _check_collection(params, kv_collection)
     device = collection.device
-    if not device.is_cpu():
-        raise ValueError("copy_tokens runs on CPU")
     check_tensor("token_range", token_range, DType.uint32, 1)
     check_host("token_range", token_range)
     return ops.inplace_custom(

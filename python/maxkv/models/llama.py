@@ -4,13 +4,15 @@ Embedding, RMSNorm, half-split RoPE, grouped-query attention through
 :mod:`maxkv.ops`, SwiGLU MLP, tied or untied LM head, greedy next token.
 
 The compiled graph takes the weights as named graph weights, so one compiled
-graph serves every model of the same shapes.
+graph serves every model of the same shapes.  The model computes in the cache's
+dtype: float32 (on the CPU through maxkv's packed kernels) or bfloat16 (MAX's
+kernels, the GPU's usual dtype; on the CPU too, slowly).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from max.driver import CPU, Buffer, Device
@@ -31,8 +33,27 @@ from .config import LlamaConfig, check_weights
 
 
 def cache_params(config: LlamaConfig, dtype: DType = DType.float32) -> KVCacheParams:
-    """The :class:`KVCacheParams` a manager for this model needs."""
+    """The :class:`KVCacheParams` a manager for this model needs (``dtype``: the
+    model's, one of :data:`MODEL_DTYPES`)."""
     return KVCacheParams(dtype, config.num_key_value_heads, config.head_dim)
+
+
+#: The dtypes the model computes in (its cache's dtype).
+MODEL_DTYPES: tuple[DType, ...] = (DType.float32, DType.bfloat16)
+
+
+def uses_packed_kernels(device: DeviceRef, dtype: DType = DType.float32) -> bool:
+    """Whether the graph for ``device`` and ``dtype`` multiplies through maxkv's packed
+    CPU kernels (float32 on the CPU) rather than MAX's matmul (everything else)."""
+    return bool(device.is_cpu()) and dtype == DType.float32
+
+
+def bfloat16_buffer(array: np.ndarray) -> Buffer:
+    """A host bfloat16 :class:`~max.driver.Buffer` of ``array`` (rounded to nearest
+    even, as ``torch`` casts); NumPy has no bfloat16."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return Buffer.from_numpy(rounded).view(DType.bfloat16, list(rounded.shape))
 
 
 #: What the graph returns per sequence: its greedy next token (int64
@@ -69,7 +90,8 @@ def graph_weights(
     packed: bool,
     quantized: Mapping[str, BlockQuantized] | None = None,
     greedy_head: bool = False,
-) -> dict[str, np.ndarray]:
+    dtype: DType = DType.float32,
+) -> dict[str, np.ndarray | Buffer]:
     """The weights as :func:`build_llama_graph` names and lays them out.
 
     Per layer the Q, K and V projections are concatenated into one ``wqkv``
@@ -91,6 +113,9 @@ def graph_weights(
     ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
     for graphs that output tokens through :func:`maxkv.ops.greedy_head`
     (and no quantized copy of the head, which such graphs never read).
+
+    ``dtype`` bfloat16 (unpacked only): every weight but the RoPE table
+    (float32) as a host bfloat16 :class:`~max.driver.Buffer`.
 
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
@@ -124,21 +149,35 @@ def graph_weights(
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
         head = matrix_sources(config, packed=True)["lm_head"][0]
         out["lm_head.greedy_q"], out["lm_head.greedy_info"] = kvops.pack_greedy_head(w[head])
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
+    if dtype != DType.float32 and packed:
+        raise ValueError("packed weights are float32")
     # On a cache line each: MAX hands these arrays to the kernels where they lie.
     prepared = {name: aligned(a, _weight_dtype(name).to_numpy()) for name, a in out.items()}
     expected = graph_weight_shapes(
         config, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head
     )
     assert {n: a.shape for n, a in prepared.items()} == expected, "graph weight layout drifted"
-    return prepared
+    if dtype == DType.float32:
+        return dict(prepared)
+    return {
+        name: a if _weight_dtype(name, dtype) == DType.float32 else bfloat16_buffer(a)
+        for name, a in prepared.items()
+    }
 
 
-def _weight_dtype(name: str) -> DType:
-    """The dtype of graph weight ``name``: uint8 for the quantized copies."""
-    return DType.uint8 if name.endswith((".q", ".greedy_q")) else DType.float32
+def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
+    """The dtype of graph weight ``name`` in a ``dtype`` model: uint8 for the
+    quantized copies, float32 for the RoPE table and the greedy head's scales."""
+    if name.endswith((".q", ".greedy_q")):
+        return DType.uint8
+    if name in ("rope.freqs_cis", "lm_head.greedy_info") or name.endswith(".sm"):
+        return DType.float32
+    return dtype
 
 
-def quantized_bits(registry: Mapping[str, np.ndarray]) -> dict[str, int]:
+def quantized_bits(registry: Mapping[str, Any]) -> dict[str, int]:
     """Matrix name -> bits of its quantized copy in a :func:`graph_weights` registry."""
     return {
         name[: -len(".q")]: int(a.shape[2]) * 8 // kvops.PACKED_TILE
@@ -213,8 +252,10 @@ def build_llama_graph(
     Inputs: token ids int64 ``[total_tokens]``, ``input_row_offsets`` uint32
     ``[batch + 1]`` (both on ``device``), then ``cache_types`` (one device's
     cache inputs, turned into the collection by ``make_collection``).
-    Output: see :data:`OutputKind`.  Weights are graph weights named and laid
-    out as :func:`graph_weights` does for ``device`` (packed on the CPU);
+    Output: see :data:`OutputKind` (logits float32 whatever the model's
+    dtype).  The model computes in ``params.dtype`` (:data:`MODEL_DTYPES`).
+    Weights are graph weights named and laid out as :func:`graph_weights`
+    does for ``device`` and that dtype (packed for float32 on the CPU);
     ``quant_bits`` names the matrices that have a quantized copy
     (:func:`quantized_bits` of that registry).  ``greedy_head`` (CPU,
     ``output="tokens"``): the next tokens come from
@@ -224,7 +265,10 @@ def build_llama_graph(
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
     cfg = config
-    packed = device.is_cpu()
+    dtype = params.dtype
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
+    packed = uses_packed_kernels(device, dtype)
     quant_bits = dict(quant_bits or {})
     if quant_bits and not packed:
         raise ValueError("quantized weight copies are read on the CPU only")
@@ -233,7 +277,7 @@ def build_llama_graph(
     shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head)
 
     def weight(name: str) -> Weight:
-        return Weight(name, _weight_dtype(name), shapes[name], device)
+        return Weight(name, _weight_dtype(name, dtype), shapes[name], device)
 
     def linear(
         x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
@@ -311,8 +355,23 @@ def build_llama_graph(
         if output == "tokens":
             g.output(ops.reshape(ops.argmax(logits, axis=-1), ["batch_size"]))
         else:
-            g.output(logits)
+            g.output(logits if dtype == DType.float32 else ops.cast(logits, DType.float32))
     return g
+
+
+def _check_prepared(
+    prepared: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+) -> Mapping[str, Any]:
+    """``prepared`` if it holds exactly the graph weights of ``shapes``, each so shaped."""
+    missing = sorted(set(shapes) - set(prepared))
+    extra = sorted(set(prepared) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"prepared weights: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        found = tuple(int(d) for d in prepared[name].shape)
+        if found != shape:
+            raise ValueError(f"prepared weight {name} has shape {found}, the graph takes {shape}")
+    return prepared
 
 
 class LlamaModel:
@@ -338,31 +397,42 @@ class LlamaModel:
     come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the same
     tokens as the argmax of every logit at a fraction of the LM head's work.
 
+    The model computes in the cache's dtype (:data:`MODEL_DTYPES`): float32,
+    or bfloat16 through MAX's kernels (a GPU's dtype; on the CPU it runs, slowly).
+
     Args:
         config: The model's configuration.
-        weights: Its weights, under Hugging Face names.
+        weights: Its weights, under Hugging Face names (float32 NumPy arrays),
+            or ``None`` with ``prepared``.
         cache: The cache's spec, or a manager (its spec and first device).
         session: Compiles the graph.
         output: ``"tokens"`` or ``"logits"``.
         quantized: Block-quantized weight copies (CPU).
         device: The device the model runs on, with a spec (default the CPU);
             a manager's first device otherwise.
+        prepared: Instead of ``weights``: the graph weights already named,
+            stacked and typed as :func:`graph_weights` gives them (shapes per
+            :func:`graph_weight_shapes`), as any DLPack arrays, e.g. random
+            weights made on a GPU (the benchmarks' 8B-parameter shapes).
 
     Raises:
         ValueError: If the cache does not match the model (heads, head size,
-            layers), is not float32, or ``device`` is given with a manager.
+            layers, a dtype outside :data:`MODEL_DTYPES`), ``device`` is given
+            with a manager, or not exactly one of ``weights`` and
+            ``prepared`` is given, or ``prepared`` misses or mis-shapes a weight.
     """
 
     def __init__(
         self,
         config: LlamaConfig,
-        weights: Mapping[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None,
         cache: CacheSpec | KVCacheManagerBase,
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
         quantized: Mapping[str, BlockQuantized] | None = None,
         device: Device | None = None,
+        prepared: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(cache, KVCacheManagerBase):
             if device is not None:
@@ -380,8 +450,11 @@ class LlamaModel:
                 f"the cache holds {spec.params} x {spec.num_layers} layers; the model "
                 f"needs {params} x {config.num_hidden_layers} layers"
             )
-        if spec.params.dtype != DType.float32:
-            raise ValueError("maxkv's Llama runs in float32")
+        dtype = spec.params.dtype
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"maxkv's Llama computes in one of {MODEL_DTYPES}, not {dtype}")
+        if (weights is None) == (prepared is None):
+            raise ValueError("give the model exactly one of weights and prepared")
         self.config = config
         self.params = params
         #: The cache this graph was built for.
@@ -389,21 +462,28 @@ class LlamaModel:
         self.output: OutputKind = output
         self.device = device
         ref = DeviceRef.from_device(device)
-        packed = ref.is_cpu()
+        packed = uses_packed_kernels(ref, dtype)
         #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
         self.greedy_head = (
             packed
+            and prepared is None
             and output == "tokens"
             and config.hidden_size % 4 == 0
             and kvops.greedy_head_supported()
         )
-        registry = graph_weights(
-            config,
-            weights,
-            packed=packed,
-            quantized=quantized if packed else None,
-            greedy_head=self.greedy_head,
-        )
+        registry: Mapping[str, Any]
+        if weights is not None:
+            registry = graph_weights(
+                config,
+                weights,
+                packed=packed,
+                quantized=quantized if packed else None,
+                greedy_head=self.greedy_head,
+                dtype=dtype,
+            )
+        else:
+            assert prepared is not None
+            registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
         #: Matrix name -> bits of the quantized copy small steps read.
         self.quant_bits = quantized_bits(registry)
         graph = build_llama_graph(

@@ -23,6 +23,25 @@ def greedy_reference(
     w = {name: np.asarray(array, dtype=np.float64) for name, array in weights.items()}
     tokens = list(prompt)
     out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(np.argmax(_last_logits(config, w, tokens)))
+        out.append(token)
+        tokens.append(token)
+        if token in config.eos_token_ids:
+            break
+    return out
+
+
+def logits_reference(
+    config: LlamaConfig, weights: Mapping[str, np.ndarray], tokens: Sequence[int]
+) -> np.ndarray:
+    """float64 logits ``[vocab]`` of the last of ``tokens`` (the forward pass of
+    :func:`greedy_reference`)."""
+    w = {name: np.asarray(array, dtype=np.float64) for name, array in weights.items()}
+    return _last_logits(config, w, list(tokens))
+
+
+def _last_logits(config: LlamaConfig, w: Mapping[str, np.ndarray], tokens: list[int]) -> np.ndarray:
     d, n_heads, n_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     inv_freq = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
 
@@ -39,32 +58,27 @@ def greedy_reference(
         rotated_x: np.ndarray = x * cos + rotated * sin
         return rotated_x
 
-    for _ in range(max_new_tokens):
-        seq = len(tokens)
-        h = w["model.embed_tokens.weight"][tokens]
-        mask = np.triu(np.full((seq, seq), -np.inf), 1)
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            x = norm(h, w[p + "input_layernorm.weight"])
-            q = rope((x @ w[p + "self_attn.q_proj.weight"].T).reshape(seq, n_heads, d))
-            k = rope((x @ w[p + "self_attn.k_proj.weight"].T).reshape(seq, n_kv, d))
-            v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(seq, n_kv, d)
-            k = np.repeat(k, n_heads // n_kv, axis=1)
-            v = np.repeat(v, n_heads // n_kv, axis=1)
-            scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
-            probs = np.exp(scores - scores.max(-1, keepdims=True))
-            probs /= probs.sum(-1, keepdims=True)
-            attn = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, n_heads * d)
-            h = h + attn @ w[p + "self_attn.o_proj.weight"].T
-            x = norm(h, w[p + "post_attention_layernorm.weight"])
-            gate = x @ w[p + "mlp.gate_proj.weight"].T
-            act = gate / (1.0 + np.exp(-gate)) * (x @ w[p + "mlp.up_proj.weight"].T)
-            h = h + act @ w[p + "mlp.down_proj.weight"].T
-        last = norm(h[-1], w["model.norm.weight"])
-        head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-        token = int(np.argmax(head @ last))
-        out.append(token)
-        tokens.append(token)
-        if token in config.eos_token_ids:
-            break
-    return out
+    seq = len(tokens)
+    h = w["model.embed_tokens.weight"][tokens]
+    mask = np.triu(np.full((seq, seq), -np.inf), 1)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = norm(h, w[p + "input_layernorm.weight"])
+        q = rope((x @ w[p + "self_attn.q_proj.weight"].T).reshape(seq, n_heads, d))
+        k = rope((x @ w[p + "self_attn.k_proj.weight"].T).reshape(seq, n_kv, d))
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(seq, n_kv, d)
+        k = np.repeat(k, n_heads // n_kv, axis=1)
+        v = np.repeat(v, n_heads // n_kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, n_heads * d)
+        h = h + attn @ w[p + "self_attn.o_proj.weight"].T
+        x = norm(h, w[p + "post_attention_layernorm.weight"])
+        gate = x @ w[p + "mlp.gate_proj.weight"].T
+        act = gate / (1.0 + np.exp(-gate)) * (x @ w[p + "mlp.up_proj.weight"].T)
+        h = h + act @ w[p + "mlp.down_proj.weight"].T
+    last = norm(h[-1], w["model.norm.weight"])
+    head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    logits: np.ndarray = head @ last
+    return logits

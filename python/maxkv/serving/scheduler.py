@@ -258,8 +258,8 @@ class ContinuousBatchingScheduler:
         Raises:
             ValueError: On an empty prompt, a token outside the vocabulary, a
                 non-positive ``max_new_tokens`` or ``n``, sampling on a
-                greedy model, ``n > 1`` on a cache that cannot copy rows (a
-                GPU cache, see ``copies_supported``), or a request that
+                greedy model, ``n > 1`` on a cache that cannot copy rows
+                (``copies_supported``), or a request that
                 cannot fit in the cache.
         """
         tokens = [int(t) for t in prompt]
@@ -277,7 +277,7 @@ class ContinuousBatchingScheduler:
         if (temperature > 0 or n > 1) and not self.sampling:
             raise ValueError("sampling and n > 1 need a model built with output='logits'")
         if n > 1 and not self.manager.copies_supported:
-            raise ValueError("n > 1 forks the prompt's cache, which maxkv does on the CPU only")
+            raise ValueError("n > 1 forks the prompt's cache, which this cache cannot copy")
         if n > self.max_batch_size:
             raise ValueError(f"n={n} completions do not fit a batch of {self.max_batch_size}")
         needed = positions_needed(len(tokens), max_new_tokens, self.num_steps)
