@@ -7,8 +7,9 @@ the registered ops' ``execute`` with ``target="gpu"``, as MAX's graph
 compiler does, on both collections: the ctors, ``check_row_offsets``,
 ``copy_tokens`` (fork, prefix reuse, copy-on-write on the device) and
 ``cache_lengths``.  MAX's own kernels that the attention ops wrap are
-instantiated on the GPU study's offline step (``benchmarks/gpu_study.py
---part offline_build``), not here: they take minutes.
+instantiated by whole graphs compiled for sm_90 (virtual devices:
+``tests/test_gpu_graph_compile.py``, ``benchmarks/gpu_study.py --device
+virtual``), not here: they take minutes.
 
 What the PTX must show: the copy kernels take the collection *by value* (a
 kernel parameter that is a pointer to a host-stack struct faults on the

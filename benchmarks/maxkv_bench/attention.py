@@ -5,9 +5,11 @@ layout) and identical queries.  maxkv runs ``maxkv.ops.flash_attention_ragged``
 on its continuous-batching collection (a decode step, so maxkv's own CPU
 decode kernel, ``mojo_ops/decode_attention.mojo``); MAX runs
 ``max.nn.kernels.flash_attention_ragged`` on ``PagedKVCacheManager``'s inputs
-(MAX's kernel).  Outputs must agree to 1e-4 or the comparison is void.  Each
-graph is compiled once; batch and context are runtime dims; the two sides
-are timed in turns (medians).
+(MAX's kernel).  Outputs must agree (1e-4 in float32, 3e-2 in bfloat16, where
+each side rounds its output) or the comparison is void.  Each graph is
+compiled once; batch and context are runtime dims; the two sides are timed in
+turns (medians).  ``AttentionShape.dtype``: float32 (the CPU's) or bfloat16
+(a GPU's): the same float32 data rounded for both sides.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from max import tree
-from max.driver import Buffer, Device
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
@@ -29,6 +31,7 @@ from maxkv import (
     kernels_path,
 )
 from maxkv import ops as kvops
+from maxkv.models.llama import bfloat16_buffer
 
 from .timing import interleaved_median_seconds
 
@@ -40,6 +43,7 @@ class AttentionShape:
     max_batch: int = 32
     max_context: int = 2048
     page_size: int = 128
+    dtype: DType = DType.float32
 
 
 @dataclass
@@ -54,33 +58,60 @@ class DecodeData:
 def query_types(shape: AttentionShape, device: DeviceRef) -> list[TensorType]:
     """Graph inputs after the cache's: Q ``[batch, heads, head_dim]`` and row offsets."""
     return [
-        TensorType(DType.float32, ["batch_size", shape.n_heads, shape.head_dim], device),
+        TensorType(shape.dtype, ["batch_size", shape.n_heads, shape.head_dim], device),
         TensorType(DType.uint32, ["offsets_len"], device),
     ]
 
 
-def query_buffers(data: DecodeData, device: Device) -> list[Buffer]:
+def host_buffer(array: np.ndarray, dtype: DType) -> Buffer:
+    """float32 ``array`` as a host buffer of ``dtype`` (float32 or bfloat16)."""
+    if dtype == DType.bfloat16:
+        return bfloat16_buffer(array)
+    if dtype != DType.float32:
+        raise ValueError(f"the attention benchmark runs float32 or bfloat16, not {dtype}")
+    return Buffer.from_numpy(np.ascontiguousarray(array, np.float32))
+
+
+def host_float32(buffer: Buffer) -> np.ndarray:
+    """A float32 or bfloat16 buffer, on any device, as a float32 NumPy array."""
+    host = buffer if buffer.is_host else buffer.to(CPU())
+    if host.dtype == DType.bfloat16:
+        bits = host.view(DType.uint16, list(host.shape)).to_numpy().astype(np.uint32)
+        return (bits << 16).view(np.float32)
+    return host.to_numpy()
+
+
+def query_buffers(data: DecodeData, device: Device, dtype: DType = DType.float32) -> list[Buffer]:
     """Runtime values of :func:`query_types`: one new token per sequence."""
     offsets = np.arange(data.q.shape[0] + 1, dtype=np.uint32)
-    return [Buffer.from_numpy(data.q).to(device), Buffer.from_numpy(offsets).to(device)]
+    return [host_buffer(data.q, dtype).to(device), Buffer.from_numpy(offsets).to(device)]
 
 
 def _copy_into(target: Buffer, array: np.ndarray, device: Device) -> None:
-    """Copies ``array`` into ``target`` and waits: the copy may run
-    asynchronously, and ``array`` must outlive it."""
-    source = Buffer.from_numpy(array)
+    """Copies float32 ``array`` into ``target`` (in its dtype) and waits: the copy
+    may run asynchronously, and the source must outlive it."""
+    source = host_buffer(array, target.dtype)
     target.inplace_copy_from(source)
     device.synchronize()
     del source
 
 
-def make_data(batch: int, context: int, shape: AttentionShape, seed: int = 0) -> DecodeData:
+def make_data(
+    batch: int, context: int, shape: AttentionShape, seed: int = 0, *, period: int | None = None
+) -> DecodeData:
+    """Random queries, keys and values; with ``period``, keys and values repeat every
+    ``period`` positions (the same work, for GPU-sized caches that NumPy would take
+    minutes to fill with fresh numbers)."""
     rng = np.random.default_rng(seed)
-    dims = (batch, context, shape.n_heads, shape.head_dim)
+    fresh = context if period is None else min(period, context)
+    dims = (batch, fresh, shape.n_heads, shape.head_dim)
+    k = rng.standard_normal(dims, dtype=np.float32)
+    v = rng.standard_normal(dims, dtype=np.float32)
+    if fresh < context:
+        reps = (1, -(-context // fresh), 1, 1)
+        k, v = np.tile(k, reps)[:, :context], np.tile(v, reps)[:, :context]
     return DecodeData(
-        q=rng.standard_normal((batch, shape.n_heads, shape.head_dim), dtype=np.float32),
-        k=rng.standard_normal(dims, dtype=np.float32),
-        v=rng.standard_normal(dims, dtype=np.float32),
+        q=rng.standard_normal((batch, shape.n_heads, shape.head_dim), dtype=np.float32), k=k, v=v
     )
 
 
@@ -90,7 +121,7 @@ class MaxkvDecodeAttention:
     def __init__(self, shape: AttentionShape, device: Device, session: InferenceSession) -> None:
         self.shape = shape
         self.device = device
-        self.params = KVCacheParams(DType.float32, shape.n_heads, shape.head_dim)
+        self.params = KVCacheParams(shape.dtype, shape.n_heads, shape.head_dim)
         self.manager = ContinuousBatchingKVCacheManager(
             self.params, shape.max_batch, shape.max_context, 1, [device], session
         )
@@ -116,7 +147,7 @@ class MaxkvDecodeAttention:
         (inputs,) = self.manager.fetch(ids)
         for i in ids:
             self.manager.release(i)
-        return [*inputs, *query_buffers(data, self.device)]
+        return [*inputs, *query_buffers(data, self.device, self.shape.dtype)]
 
     def run(self, inputs: list[Buffer]) -> Buffer:
         (out,) = self.model.execute(*inputs)
@@ -136,7 +167,7 @@ class MaxPagedDecodeAttention:
         self.device = device
         ref = DeviceRef.from_device(device)
         self.params = MHAKVCacheParams(
-            dtype=DType.float32,
+            dtype=shape.dtype,
             n_kv_heads=shape.n_heads,
             head_dim=shape.head_dim,
             num_layers=1,
@@ -197,7 +228,8 @@ class MaxPagedDecodeAttention:
         (inputs,) = self.manager.runtime_inputs([contexts])
         self._contexts = contexts
 
-        blocks = inputs.kv_blocks.to_numpy().copy()
+        # Pages outside the batch's tables stay zero: the kernel never reads them.
+        blocks = np.zeros(tuple(int(d) for d in inputs.kv_blocks.shape), np.float32)
         table = inputs.lookup_table.to_numpy()
         for b in range(batch):
             for j in range(math.ceil(context / page)):
@@ -207,7 +239,7 @@ class MaxPagedDecodeAttention:
                 blocks[table[b, j], 1, 0, :n] = data.v[b, rows]
         _copy_into(inputs.kv_blocks, blocks, self.device)
         flat, _ = tree.flatten((inputs,))
-        return [*flat, *query_buffers(data, self.device)]
+        return [*flat, *query_buffers(data, self.device, self.shape.dtype)]
 
     def run(self, inputs: list[Buffer]) -> Buffer:
         (out,) = self.model.execute(*inputs)
@@ -224,11 +256,13 @@ def bench_attention_decode(
     repeats: int,
     shape: AttentionShape | None = None,
     read_bandwidth_gbps: float | None = None,
+    period: int | None = None,
 ) -> list[dict[str, float | int]]:
     """Median ms of one decode step per (batch, context), both sides, same data.
 
     With ``read_bandwidth_gbps`` (measured in the same run), each row also
     gives the fraction of it that each side's KV streaming reaches.
+    ``period``: see :func:`make_data`.
     """
     shape = shape or AttentionShape(max_batch=max(batches), max_context=max(contexts))
     maxkv_side = MaxkvDecodeAttention(shape, device, session)
@@ -236,13 +270,15 @@ def bench_attention_decode(
     rows: list[dict[str, float | int]] = []
     for batch in batches:
         for context in contexts:
-            data = make_data(batch, context, shape)
+            data = make_data(batch, context, shape, period=period)
             ours = maxkv_side.prepare(data)
             theirs = paged_side.prepare(data)
+            del data
             difference = np.abs(
-                maxkv_side.run(ours).to_numpy() - paged_side.run(theirs).to_numpy()
+                host_float32(maxkv_side.run(ours)) - host_float32(paged_side.run(theirs))
             ).max()
-            if not difference < 1e-4:
+            tolerance = 1e-4 if shape.dtype == DType.float32 else 3e-2
+            if not difference < tolerance:
                 raise RuntimeError(
                     f"maxkv and MAX paged disagree by {difference} at batch {batch}, "
                     f"context {context}: the comparison is void"
@@ -261,7 +297,8 @@ def bench_attention_decode(
             )
             maxkv_ms, paged_ms = medians["maxkv"] * 1e3, medians["max_paged"] * 1e3
             # Bytes a decode step must read: every cached K and V once.
-            kv_bytes = 2 * batch * context * shape.n_heads * shape.head_dim * 4
+            row_bytes = shape.n_heads * shape.head_dim * shape.dtype.size_in_bytes
+            kv_bytes = 2 * batch * context * row_bytes
             rows.append(
                 {
                     "batch": batch,

@@ -59,3 +59,24 @@ def matmul_gflops(*, size: int = 2048, repeats: int = 7) -> float:
     b = rng.standard_normal((size, size), dtype=np.float32)
     seconds = median_seconds(lambda: a @ b, warmup=2, repeats=repeats)
     return 2 * size**3 / seconds / 1e9
+
+
+def device_read_bandwidth_gbps(
+    session: InferenceSession, device: Device, *, gib: float = 2.0, repeats: int = 9
+) -> float:
+    """GB/s of MAX's own row sum reading a float32 ``[rows, 4096]`` tensor of ``gib``
+    GiB once, on any device (a GPU's HBM; the decode-attention goal's yardstick)."""
+    cols = 4096
+    rows = max(1, int(gib * 2**30) // (4 * cols))
+    ref = DeviceRef.from_device(device)
+    with Graph("device_read", input_types=[TensorType(DType.float32, [rows, cols], ref)]) as g:
+        g.output(ops.sum(g.inputs[0].tensor, axis=-1))
+    model = session.load(g)
+    data = Buffer.zeros([rows, cols], DType.float32, device=device)
+
+    def read() -> None:
+        model.execute(data)
+        device.synchronize()
+
+    seconds = median_seconds(read, warmup=2, repeats=repeats)
+    return rows * cols * 4 / seconds / 1e9

@@ -21,8 +21,7 @@ each, every repeat runs maxkv, transformers and MAX once; medians.
   on (pages of 128 tokens; the settings are recorded with the results).
 
 On a GPU (``device`` not the host): transformers runs on CUDA and MAX's
-pipeline on the accelerator; there is no prefix-caching side (maxkv's row
-copies run on the CPU only) and no roofline unless the machine's read
+pipeline on the accelerator; there is no roofline unless the machine's read
 bandwidth and matmul rate are given (``benchmarks/run.py`` measures them on
 the CPU only).
 
@@ -43,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from max.driver import Device
+from max.dtype import DType
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
@@ -93,13 +93,21 @@ def _median(values: list[float]) -> float:
     return float(np.median(values))
 
 
-class _Maxkv:
-    """maxkv's scheduler; one compiled graph serves managers of every batch size."""
+class MaxkvSide:
+    """maxkv's scheduler over a fresh cache per run; one compiled graph (``build``,
+    called with the first run's manager) serves managers of every batch size."""
 
     def __init__(
-        self, session: InferenceSession, device: Device, model: LoadedModel, max_len: int
+        self,
+        session: InferenceSession,
+        device: Device,
+        config: LlamaConfig,
+        max_len: int,
+        build: Callable[[ContinuousBatchingKVCacheManager], LlamaModel],
+        dtype: DType = DType.float32,
     ) -> None:
-        self.session, self.device, self.model, self.max_len = session, device, model, max_len
+        self.session, self.device, self.config, self.max_len = session, device, config, max_len
+        self.build, self.dtype = build, dtype
         self.llama: LlamaModel | None = None
         #: Prompt tokens the last prefix-caching run found in its prefix cache.
         self.prefix_hit_tokens = 0
@@ -112,9 +120,9 @@ class _Maxkv:
         *,
         prefix_caching: bool = False,
     ) -> list[list[int]]:
-        c = self.model.config
+        c = self.config
         manager = ContinuousBatchingKVCacheManager(
-            cache_params(c),
+            cache_params(c, self.dtype),
             len(prompts),
             self.max_len,
             c.num_hidden_layers,
@@ -123,9 +131,7 @@ class _Maxkv:
             enable_prefix_caching=prefix_caching,
         )
         if self.llama is None:
-            self.llama = LlamaModel(
-                c, self.model.weights, manager, self.session, quantized=self.model.quantized
-            )
+            self.llama = self.build(manager)
         scheduler = ContinuousBatchingScheduler(
             self.llama, manager, len(prompts), num_steps, stop_at_eos=False
         )
@@ -171,19 +177,21 @@ class _Transformers:
         return [row[width:].tolist() for row in out]
 
 
-class _MaxPipeline:
-    """MAX 26.7's own Llama pipeline on a float32 HF export of the same weights."""
+class MaxPipeline:
+    """MAX 26.7's own Llama pipeline on a Hugging Face directory (``encoding``: its
+    weights' dtype, ``"float32"`` or ``"bfloat16"``), greedy through MAX's ``generate``."""
 
-    def __init__(self, model: LoadedModel, max_batch: int, max_len: int, gpu: bool) -> None:
+    def __init__(
+        self, directory: Path, max_batch: int, max_len: int, gpu: bool, encoding: str = "float32"
+    ) -> None:
         from max.driver import DeviceSpec
         from max.pipelines import PIPELINE_REGISTRY
         from max.pipelines.lib import PipelineArgs, PipelineConfig
 
-        directory = _hf_export(model)
         args = PipelineArgs.from_flat_kwargs(
             model_path=str(directory),
             device_specs=[DeviceSpec.accelerator() if gpu else DeviceSpec.cpu()],
-            quantization_encoding="float32",
+            quantization_encoding=encoding,
             max_length=max_len,
             max_batch_size=max_batch,
         )
@@ -263,18 +271,25 @@ def end_to_end_real(
     log("end to end (real model): compiling maxkv, loading transformers and MAX's pipeline ...")
     sides: dict[str, Callable[[list[list[int]]], list[list[int]]]] = {}
     gpu = not device.is_host
-    ours = _Maxkv(session, device, model, max_len)
+    ours = MaxkvSide(
+        session,
+        device,
+        model.config,
+        max_len,
+        lambda manager: LlamaModel(
+            model.config, model.weights, manager, session, quantized=model.quantized
+        ),
+    )
     sides["maxkv"] = lambda p: ours.run(p, new_tokens, num_steps)
-    if not gpu:  # prefix reuse copies cache rows, on the CPU only
-        sides["maxkv_prefix_caching"] = lambda p: ours.run(
-            p, new_tokens, num_steps, prefix_caching=True
-        )
+    sides["maxkv_prefix_caching"] = lambda p: ours.run(
+        p, new_tokens, num_steps, prefix_caching=True
+    )
     try:
         hf = _Transformers(model, gpu)
         sides["hf"] = lambda p: hf.run(p, new_tokens)
     except ImportError:
         log("  transformers side skipped: torch is not installed")
-    theirs = _MaxPipeline(model, max(batches), max_len, gpu)
+    theirs = MaxPipeline(_hf_export(model), max(batches), max_len, gpu)
     sides["max_pipeline"] = lambda p: theirs.run(p, new_tokens)
 
     rows = []

@@ -7,7 +7,7 @@ it; :func:`default_llama` is the small seeded random model (``--model tiny``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,10 +181,19 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> Weights:
     Norm weights ``1 + 0.1 N(0, 1)``; matrices ``N(0, 1) / sqrt(in_features)``.
     """
     rng = np.random.default_rng(seed)
-    weights: Weights = {}
+    return check_weights(config, random_weight_recipe(config, rng.standard_normal))
+
+
+def random_weight_recipe(
+    config: LlamaConfig, normal: Callable[[tuple[int, ...]], Any]
+) -> dict[str, Any]:
+    """:func:`random_weights`' recipe over any array library: ``normal(shape)`` draws
+    N(0, 1) samples (NumPy here; ``torch`` on a GPU for the benchmarks'
+    8B-parameter shapes).  Weights are drawn in ``config.weight_shapes()`` order."""
+    weights: dict[str, Any] = {}
     for name, shape in config.weight_shapes().items():
         if name.endswith("norm.weight"):
-            weights[name] = 1.0 + 0.1 * rng.standard_normal(shape)
+            weights[name] = normal(shape) * 0.1 + 1.0
         else:
-            weights[name] = rng.standard_normal(shape) / np.sqrt(shape[-1])
-    return check_weights(config, weights)
+            weights[name] = normal(shape) * float(1.0 / np.sqrt(shape[-1]))
+    return weights

@@ -13,13 +13,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelLoadError
+from .config import LlamaConfig, ModelLoadError
 from .resolve import LoadedModel
 
 
 def hf_config_dict(model: LoadedModel) -> dict[str, object]:
     """The ``config.json`` of ``model`` (``LlamaForCausalLM``, float32)."""
-    c = model.config
+    return llama_config_json(model.config)
+
+
+def llama_config_json(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str, object]:
+    """A Hugging Face ``config.json`` (``LlamaForCausalLM``) of ``config``, whose
+    weights are stored as ``torch_dtype``."""
+    c = config
     eos: object = list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0]
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -38,7 +44,7 @@ def hf_config_dict(model: LoadedModel) -> dict[str, object]:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": eos,
     }

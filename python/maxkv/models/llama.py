@@ -83,6 +83,23 @@ def matrix_sources(config: LlamaConfig, *, packed: bool) -> dict[str, list[str]]
     return sources
 
 
+def vector_sources(config: LlamaConfig) -> dict[str, str]:
+    """Graph weight name -> the Hugging Face weight it is, for the embedding and the
+    norms (the weights :func:`matrix_sources` does not stack; the RoPE table is
+    computed)."""
+    sources = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sources[f"layers.{i}.input_norm"] = p + "input_layernorm.weight"
+        sources[f"layers.{i}.post_norm"] = p + "post_attention_layernorm.weight"
+    return sources
+
+
+def rope_table(config: LlamaConfig) -> np.ndarray:
+    """The ``rope.freqs_cis`` graph weight: float32 ``[max_positions, head_dim]``."""
+    return kvops.rope_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta)
+
+
 def graph_weights(
     config: LlamaConfig,
     weights: Mapping[str, np.ndarray],
@@ -120,18 +137,13 @@ def graph_weights(
     Raises:
         ModelLoadError: If a weight is missing or mis-shaped.
     """
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
+    if dtype != DType.float32 and packed:
+        raise ValueError("packed weights are float32")
     w = check_weights(config, weights)
-    out: dict[str, np.ndarray] = {
-        "rope.freqs_cis": kvops.rope_freqs_cis(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
-        ),
-        "embed_tokens": w["model.embed_tokens.weight"],
-        "norm": w["model.norm.weight"],
-    }
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[f"layers.{i}.input_norm"] = w[p + "input_layernorm.weight"]
-        out[f"layers.{i}.post_norm"] = w[p + "post_attention_layernorm.weight"]
+    out: dict[str, np.ndarray] = {"rope.freqs_cis": rope_table(config)}
+    out |= {name: w[source] for name, source in vector_sources(config).items()}
     quant_bits: dict[str, int] = {}
     for name, parts in matrix_sources(config, packed=packed).items():
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
@@ -149,10 +161,6 @@ def graph_weights(
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
         head = matrix_sources(config, packed=True)["lm_head"][0]
         out["lm_head.greedy_q"], out["lm_head.greedy_info"] = kvops.pack_greedy_head(w[head])
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
-    if dtype != DType.float32 and packed:
-        raise ValueError("packed weights are float32")
     # On a cache line each: MAX hands these arrays to the kernels where they lie.
     prepared = {name: aligned(a, _weight_dtype(name).to_numpy()) for name, a in out.items()}
     expected = graph_weight_shapes(
