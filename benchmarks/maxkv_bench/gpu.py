@@ -58,6 +58,7 @@ from maxkv.models.config import LlamaConfig, default_llama, random_weight_recipe
 from maxkv.models.export import llama_config_json
 from maxkv.models.llama import (
     LlamaModel,
+    bfloat16_bits,
     bfloat16_buffer,
     cache_params,
     matrix_sources,
@@ -391,9 +392,10 @@ def write_checkpoint(
     name = "bfloat16" if dtype == DType.bfloat16 else "float32"
     if isinstance(next(iter(weights.values())), np.ndarray):
         if dtype == DType.bfloat16:
-            weights = {n: bfloat16_rounded(w) for n, w in weights.items()}
-            stored = {n: (w.view(np.uint32) >> 16).astype(np.uint16) for n, w in weights.items()}
+            stored = {n: bfloat16_bits(w) for n, w in weights.items()}
             _save_bfloat16_numpy(stored, directory / "model.safetensors")
+            # The weights as written: bfloat16 values, widened back to float32.
+            weights = {n: (b.astype(np.uint32) << 16).view(np.float32) for n, b in stored.items()}
         else:
             save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     else:
@@ -410,13 +412,6 @@ def write_checkpoint(
     eos = f"t{config.eos_token_ids[0]}" if config.eos_token_ids else "t0"
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos).save_pretrained(directory)
     return directory, weights
-
-
-def bfloat16_rounded(array: np.ndarray) -> np.ndarray:
-    """float32 ``array`` rounded to bfloat16 values (nearest even), still float32."""
-    bits = np.ascontiguousarray(array, np.float32).view(np.uint32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
-    return rounded.astype(np.uint32).view(np.float32)
 
 
 def _save_bfloat16_numpy(bits: Mapping[str, np.ndarray], path: Path) -> None:

@@ -48,11 +48,16 @@ def uses_packed_kernels(device: DeviceRef, dtype: DType = DType.float32) -> bool
     return bool(device.is_cpu()) and dtype == DType.float32
 
 
-def bfloat16_buffer(array: np.ndarray) -> Buffer:
-    """A host bfloat16 :class:`~max.driver.Buffer` of ``array`` (rounded to nearest
-    even, as ``torch`` casts); NumPy has no bfloat16."""
+def bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    """``array`` rounded to bfloat16 (nearest even, as ``torch`` casts), as the
+    uint16 bit patterns NumPy can hold (it has no bfloat16)."""
     bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+
+
+def bfloat16_buffer(array: np.ndarray) -> Buffer:
+    """A host bfloat16 :class:`~max.driver.Buffer` of ``array`` (:func:`bfloat16_bits`)."""
+    rounded = bfloat16_bits(array)
     return Buffer.from_numpy(rounded).view(DType.bfloat16, list(rounded.shape))
 
 
