@@ -4,11 +4,27 @@
 ``LlamaForCausalLM``, saved by ``save_pretrained``) and a real ``tokenizers``
 byte-level BPE tokenizer over printable ASCII, so every generated token
 decodes to exact, comparable text.  Token 0 is ``</s>`` (EOS), 1 is ``<s>``.
+
+Also the machinery of the tests that start real ``max serve`` processes on it
+(:func:`running_server`, :func:`complete`, the adapter's event log).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -28,6 +44,13 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
+#: A plain chat template, so that ``/v1/chat/completions`` is served too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def make_tiny_llama_dir(directory: Path, *, seed: int = 0, layers: int = 2) -> dict[str, int]:
     """Writes the directory; returns its vocabulary size and EOS/BOS ids.
 
@@ -45,6 +68,7 @@ def make_tiny_llama_dir(directory: Path, *, seed: int = 0, layers: int = 2) -> d
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
 
     torch.manual_seed(seed)
@@ -63,3 +87,159 @@ def make_tiny_llama_dir(directory: Path, *, seed: int = 0, layers: int = 2) -> d
     )
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
     return {"vocab_size": len(vocab), "eos": 0, "bos": 1}
+
+
+# ------------------------------------------------------------ real processes
+
+MAX_CLI = str(Path(sys.executable).parent / "max")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1"}
+NEW_TOKENS = 12
+
+
+def transformers_completion(directory: Path, prompt: str, new_tokens: int) -> str:
+    """Greedy completion text of ``prompt`` by transformers (stops at EOS)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(prompt).input_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=0,
+        )
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def max_pipeline_args(directory: Path, *extra: str) -> list[str]:
+    from maxkv.pipelines import CUSTOM_ARCHITECTURES
+
+    return [
+        "--custom-architectures",
+        CUSTOM_ARCHITECTURES,
+        "--model-path",
+        str(directory),
+        "--devices",
+        "cpu",
+        "--quantization-encoding",
+        "float32",
+        *extra,
+    ]
+
+
+def read_events(path: Path, start: int = 0) -> list[dict[str, Any]]:
+    """The adapter's event log (``MAXKV_EVENT_LOG``) from byte ``start`` on."""
+    if not path.exists():
+        return []
+    with path.open() as log:
+        log.seek(start)
+        return [json.loads(line) for line in log.read().splitlines()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    events: Path
+    log: Path
+    model: Path
+
+
+#: ``max serve`` flags of the tests' server: 4 sequences, pages of 16 tokens, chunks
+#: of at most 32 prompt tokens per batch, decode steps mixed into prefill batches.
+SERVER_FLAGS = (
+    *("--max-batch-size", "4", "--max-length", "256", "--kv-cache-page-size", "16"),
+    *("--max-batch-input-tokens", "32", "--enable-in-flight-batching"),
+)
+
+
+@contextmanager
+def running_server(
+    model: Path, directory: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """``max serve`` on maxkv (paged, prefix caching) on 127.0.0.1; stopped in a ``finally``."""
+    port = _free_port()
+    events, log_path = directory / "events.jsonl", directory / "serve.log"
+    log = log_path.open("w")
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "MAXKV_EVENT_LOG": str(events),
+        "MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S": "0",  # a log line per batch
+        **(extra_env or {}),
+    }
+    server = subprocess.Popen(
+        [
+            MAX_CLI,
+            "serve",
+            *max_pipeline_args(model, *SERVER_FLAGS),
+            *("--host", "127.0.0.1", "--port", str(port)),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "max serve did not come up in 900 s"
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(2)
+        yield Server(url, events, log_path, model)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+        log.close()
+
+
+def complete(server: Server, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    """POST /v1/completions at temperature 0; (HTTP status, JSON body)."""
+    body = {
+        "model": str(server.model),
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def settled_events(server: Server, start: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """The events since ``start`` once every sequence they started is released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logged = read_events(server.events, start)
+        kinds = [e["event"] for e in logged]
+        if kinds.count("alloc") == kinds.count("release") or time.monotonic() > deadline:
+            return logged
+        time.sleep(0.5)

@@ -226,7 +226,9 @@ def test_chunk_store_shares_chunks_through_redis_and_refuses_other_models() -> N
     from maxkv.tiers import TierConfig
 
     client = fakeredis.FakeRedis()
-    config = TierConfig(model_id="fake", redis_url="redis://fake:0/0", redis_client=client)
+    config = TierConfig(
+        model_id="fake", redis_url="redis://fake:0/0", redis_client=client, secret="s" * 16
+    )
     first = ChunkKVStore(_FakePrefill(), tiers=config)  # type: ignore[arg-type]
     key = first.store([5, 6, 7])
     first.close()
@@ -237,5 +239,7 @@ def test_chunk_store_shares_chunks_through_redis_and_refuses_other_models() -> N
     np.testing.assert_array_equal(v, -k)
     assert start == 0 and _FakePrefill.calls == calls  # read, not recomputed
     assert other_process.tiers.stats.redis_hits == 1
-    other_model = TierConfig(model_id="another", redis_url="redis://fake:0/0", redis_client=client)
+    other_model = TierConfig(
+        model_id="another", redis_url="redis://fake:0/0", redis_client=client, secret="s" * 16
+    )
     assert ChunkKVStore(_FakePrefill(), tiers=other_model).get(key) is None  # type: ignore[arg-type]

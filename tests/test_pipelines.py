@@ -12,16 +12,9 @@ import concurrent.futures
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,11 +27,19 @@ from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 from . import fakes
 from .conftest import requires_transformers
-
-MAX_CLI = str(Path(sys.executable).parent / "max")
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1"}
-NEW_TOKENS = 12
-
+from .forgery import forge_every_block
+from .pipeline_helpers import (
+    MAX_CLI,
+    NEW_TOKENS,
+    OFFLINE,
+    Server,
+    complete,
+    max_pipeline_args,
+    read_events,
+    running_server,
+    settled_events,
+    transformers_completion,
+)
 
 # ------------------------------------------------------------------ the adapter
 
@@ -272,51 +273,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def transformers_completion(directory: Path, prompt: str, new_tokens: int) -> str:
-    """Greedy completion text of ``prompt`` by transformers (stops at EOS)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer(prompt).input_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=0,
-        )
-    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-
-
-def max_pipeline_args(directory: Path, *extra: str) -> list[str]:
-    from maxkv.pipelines import CUSTOM_ARCHITECTURES
-
-    return [
-        "--custom-architectures",
-        CUSTOM_ARCHITECTURES,
-        "--model-path",
-        str(directory),
-        "--devices",
-        "cpu",
-        "--quantization-encoding",
-        "float32",
-        *extra,
-    ]
-
-
-def read_events(path: Path, start: int = 0) -> list[dict[str, Any]]:
-    """The adapter's event log (``MAXKV_EVENT_LOG``) from byte ``start`` on."""
-    if not path.exists():
-        return []
-    with path.open() as log:
-        log.seek(start)
-        return [json.loads(line) for line in log.read().splitlines()]
-
-
 @pytest.mark.serve
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_max_generate_matches_transformers(
@@ -350,115 +306,11 @@ def test_max_generate_matches_transformers(
     assert logged[-1]["free"] == logged[-1]["total"]  # slots, or pages of 16 tokens
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    url: str
-    events: Path
-    log: Path
-    model: Path
-
-
-#: ``max serve`` flags of the tests' server: 4 sequences, pages of 16 tokens, chunks
-#: of at most 32 prompt tokens per batch, decode steps mixed into prefill batches.
-SERVER_FLAGS = (
-    *("--max-batch-size", "4", "--max-length", "256", "--kv-cache-page-size", "16"),
-    *("--max-batch-input-tokens", "32", "--enable-in-flight-batching"),
-)
-
-
-@contextmanager
-def running_server(
-    model: Path, directory: Path, extra_env: dict[str, str] | None = None
-) -> Iterator[Server]:
-    """``max serve`` on maxkv (paged, prefix caching) on 127.0.0.1; stopped in a ``finally``."""
-    port = _free_port()
-    events, log_path = directory / "events.jsonl", directory / "serve.log"
-    log = log_path.open("w")
-    env = {
-        **os.environ,
-        **OFFLINE,
-        "MAXKV_EVENT_LOG": str(events),
-        "MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S": "0",  # a log line per batch
-        **(extra_env or {}),
-    }
-    server = subprocess.Popen(
-        [
-            MAX_CLI,
-            "serve",
-            *max_pipeline_args(model, *SERVER_FLAGS),
-            *("--host", "127.0.0.1", "--port", str(port)),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "max serve did not come up in 900 s"
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(2)
-        yield Server(url, events, log_path, model)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
-        log.close()
-
-
 @pytest.fixture(scope="module")
 def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the module's tests."""
     with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve")) as server:
         yield server
-
-
-def complete(server: Server, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
-    """POST /v1/completions at temperature 0; (HTTP status, JSON body)."""
-    body = {
-        "model": str(server.model),
-        "prompt": prompt,
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0,
-        **extra,
-    }
-    request = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
-
-
-def settled_events(server: Server, start: int, timeout: float = 60.0) -> list[dict[str, Any]]:
-    """The events since ``start`` once every sequence they started is released."""
-    deadline = time.monotonic() + timeout
-    while True:
-        logged = read_events(server.events, start)
-        kinds = [e["event"] for e in logged]
-        if kinds.count("alloc") == kinds.count("release") or time.monotonic() > deadline:
-            return logged
-        time.sleep(0.5)
 
 
 @pytest.mark.serve
@@ -586,18 +438,21 @@ def test_max_serve_aborted_streams_free_their_pages(max_server: Server) -> None:
 
 @pytest.mark.serve
 @pytest.mark.redis
-def test_two_max_serve_replicas_share_a_prefix_through_redis(
+def test_max_serve_replicas_share_signed_prefixes_through_redis_and_refuse_forgeries(
     tiny_llama_dir: Path, tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """A second server pointed at the first's Redis (MAXKV_REDIS_URL) starts with the
-    shared prefix: its first request loads 7 pages instead of computing them."""
+    """A second server pointed at the first's Redis (MAXKV_REDIS_URL, the same
+    MAXKV_TIER_SECRET) starts with the shared prefix: its first request loads 7 pages
+    instead of computing them.  Then every stored block is rewritten with another
+    block's payload (CRC-32s recomputed): a third server uses none of them, says so,
+    and answers the same text."""
     import redis
 
-    env = {"MAXKV_REDIS_URL": redis_server.url}
+    env = {"MAXKV_REDIS_URL": redis_server.url, "MAXKV_TIER_SECRET": "serve-test-secret-0123"}
     client = redis.Redis.from_url(redis_server.url)
     first_prompt, second_prompt = SHARED + "Hi?", SHARED + "What is 2+2?"
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for name in "abc":
+        (tmp_path / name).mkdir()
     with running_server(tiny_llama_dir, tmp_path / "a", env) as first:
         status, body = complete(first, first_prompt)
         assert status == 200, body
@@ -605,12 +460,31 @@ def test_two_max_serve_replicas_share_a_prefix_through_redis(
         while sum(b"#" not in k for k in client.keys("maxkv@*")) < 7:
             assert time.monotonic() < deadline, "the first server wrote nothing to Redis"
             time.sleep(0.2)
+    expected = transformers_completion(tiny_llama_dir, second_prompt, NEW_TOKENS)
     with running_server(tiny_llama_dir, tmp_path / "b", env) as second:
         status, body = complete(second, second_prompt)
         assert status == 200, body
-        assert body["choices"][0]["text"] == transformers_completion(
-            tiny_llama_dir, second_prompt, NEW_TOKENS
-        )
+        assert body["choices"][0]["text"] == expected
         allocs = [e for e in settled_events(second, 0) if e["event"] == "alloc"]
         assert allocs[0]["cached_prefix"] == 112  # nothing on this server's device before
-        assert "KV tiers: host 1.0 GiB, Redis redis://127.0.0.1" in second.log.read_text()
+        log = second.log.read_text()
+        assert "KV tiers: host 1.0 GiB, Redis redis://127.0.0.1" in log
+        assert "blocks signed (key " in log and "serve-test-secret" not in log
+
+    assert forge_every_block(client, "maxkv@") >= 7
+    with running_server(tiny_llama_dir, tmp_path / "c", env) as third:
+        status, body = complete(third, second_prompt)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        allocs = [e for e in settled_events(third, 0) if e["event"] == "alloc"]
+        assert allocs[0]["cached_prefix"] == 0  # the forged first page ends the prefix
+        log = third.log.read_text()
+        assert "dropped block" in log and "signature: the MAC does not verify" in log
+
+
+@pytest.mark.unit
+def test_redis_tier_without_a_secret_refuses_to_start() -> None:
+    from maxkv.tiers import TierConfig
+
+    with pytest.raises(ValueError, match="MAXKV_TIER_SECRET"):
+        TierConfig.from_env("m", {"MAXKV_REDIS_URL": "redis://127.0.0.1:1/0"})

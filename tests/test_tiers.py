@@ -30,6 +30,7 @@ from maxkv.tiers import (
     BlockLayout,
     DiskTier,
     HostTier,
+    Keyring,
     TierConfig,
     TieredBlockStore,
     decode_block,
@@ -176,8 +177,13 @@ def test_disk_full_stops_accepting_and_leaves_nothing_half_written(
     assert tier.put(key(1), payload) and tier.get(key(1)) == payload
 
 
+#: The secret the tests' stores sign their blocks with.
+SECRET = "test-secret-0123456789abcdef"
+
+
 def store_with(tmp_path: Path, **kw: object) -> TieredBlockStore:
-    config = TierConfig(model_id="test-model", **kw)  # type: ignore[arg-type]
+    """A store of ``LAYOUT`` (blocks signed with :data:`SECRET` unless ``kw`` says)."""
+    config = TierConfig(model_id="test-model", **{"secret": SECRET, **kw})  # type: ignore[arg-type]
     return TieredBlockStore(LAYOUT, config)
 
 
@@ -212,7 +218,8 @@ def test_store_reads_through_disk_and_redis_and_drops_bad_blocks(tmp_path: Path)
     # A corrupt part, a block of another layout under the right key: refused, dropped, missing.
     client.set(f"maxkv@{LAYOUT.fingerprint}@{key(1).hex()}#3", b"x" * 100)
     forged = BlockLayout("test-model", "page", 2, 2, 4, "float32", 4, devices=1)
-    wrong = encode_block(BlockLayout("other", "page", 2, 2, 4, "float32", 4), key(2), block(2))
+    other_layout = BlockLayout("other", "page", 2, 2, 4, "float32", 4)
+    wrong = encode_block(other_layout, key(2), block(2), keyring=Keyring(SECRET))
     assert forged == LAYOUT
     other.redis.put(key(2), wrong)  # type: ignore[union-attr]
     assert other.get(key(1)) is None and other.get(key(2)) is None
@@ -265,9 +272,9 @@ LAYOUT_BYTES = int(np.prod(LAYOUT.page_shape())) * 4
 
 def test_tier_config_checks_and_environment() -> None:
     with pytest.raises(ValueError, match="model_id"):
-        TierConfig(redis_url="redis://localhost:6379/0")
+        TierConfig(redis_url="redis://localhost:6379/0", insecure=True)
     with pytest.raises(ValueError, match="redis://"):
-        TierConfig(model_id="m", redis_url="localhost:6379")
+        TierConfig(model_id="m", redis_url="localhost:6379", insecure=True)
     with pytest.raises(ValueError, match="host_bytes"):
         TierConfig(host_bytes=-1)
     assert TierConfig().host_bytes == 1 << 30 and TierConfig().redis_url is None
@@ -276,6 +283,7 @@ def test_tier_config_checks_and_environment() -> None:
         "MAXKV_REDIS_URL": "redis://h:1/0",
         "MAXKV_DISK_TIER_DIR": "/tmp/x",
         "MAXKV_DISK_TIER_GB": "2",
+        "MAXKV_TIER_INSECURE": "1",
     }
     config = TierConfig.from_env("m", env)
     assert (config.host_bytes, config.redis_url, config.disk_dir, config.disk_bytes) == (
@@ -466,7 +474,8 @@ _WRITER = """
 import sys, numpy as np
 from maxkv.tiers import BlockLayout, TierConfig, TieredBlockStore
 layout = BlockLayout("test-model", "page", 2, 2, 4, "float32", 4)
-store = TieredBlockStore(layout, TierConfig(model_id="test-model", redis_url=sys.argv[1]))
+config = TierConfig(model_id="test-model", redis_url=sys.argv[1], secret=sys.argv[2])
+store = TieredBlockStore(layout, config)
 for i in range(3):
     a = np.random.default_rng(i).standard_normal(layout.page_shape()).astype(np.float32)
     store.put(i.to_bytes(16, "big"), a)
@@ -479,7 +488,7 @@ def test_another_process_reads_what_one_wrote(redis_server: RedisServer) -> None
     # os.environ, not the inherited C environment: MAX's import sets PYTHONEXECUTABLE
     # there, which would start the child as the base interpreter, outside this venv.
     subprocess.run(
-        [sys.executable, "-c", _WRITER, redis_server.url],
+        [sys.executable, "-c", _WRITER, redis_server.url, SECRET],
         check=True,
         timeout=120,
         env=dict(os.environ),

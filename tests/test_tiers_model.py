@@ -13,8 +13,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 from max.driver import CPU
 from max.engine import InferenceSession
 
@@ -27,6 +29,7 @@ from maxkv.tiers import TierConfig
 from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 from .conftest import requires_transformers
+from .forgery import forge_every_block
 from .test_sequence_ops import SYSTEM
 
 pytestmark = pytest.mark.model
@@ -105,6 +108,9 @@ def test_preemption_by_swap_and_recompute_keeps_the_tokens(
     assert wait[0] == expected
 
 
+#: The secret both processes sign their blocks with.
+SECRET = "model-test-secret-0123456789"
+
 _FIRST_PROCESS = """
 import json, sys
 from max.driver import CPU
@@ -116,13 +122,14 @@ from maxkv.models.resolve import open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 from maxkv.tiers import TierConfig
 
-gguf, url, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+gguf, url, prompts, secret = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 model = open_model(gguf, progress=False)
 session = InferenceSession(devices=[CPU()])
 config = model.config
 manager = PagedKVCacheManager(
     cache_params(config), 16, 64, 4, 512, config.num_hidden_layers, [CPU()], session,
-    enable_prefix_caching=True, tiers=TierConfig(model_id="smollm2-test", redis_url=url),
+    enable_prefix_caching=True,
+    tiers=TierConfig(model_id="smollm2-test", redis_url=url, secret=secret),
 )
 llama = LlamaModel(config, model.weights, manager, session, quantized=model.quantized)
 scheduler = ContinuousBatchingScheduler(llama, manager, 4, num_steps=4)
@@ -149,6 +156,7 @@ def test_a_second_process_reuses_the_prefix_through_redis(
             str(smollm2_gguf),
             redis_server.url,
             json.dumps(prompts),
+            SECRET,
         ],
         capture_output=True,
         text=True,
@@ -160,18 +168,38 @@ def test_a_second_process_reuses_the_prefix_through_redis(
     report = json.loads(first.stdout.strip().splitlines()[-1])
     assert report["redis_writes"] >= (len(prompts[0]) - 1) // 16
 
-    tiers = TierConfig(model_id="smollm2-test", redis_url=redis_server.url)
-    manager = paged_manager(smollm2, session, 64, tiers)
-    scheduler = ContinuousBatchingScheduler(
-        model_for(smollm2, session, manager), manager, 4, num_steps=4
-    )
-    for prompt in prompts:
-        scheduler.submit(prompt, 12)
-    outputs, _ = scheduler.run()
+    def run(**tier_options: object) -> tuple[list[list[int]], Any, Any]:
+        """The prompts in this process on a fresh cache (its own host tier, the shared Redis)."""
+        tiers = TierConfig(model_id="smollm2-test", redis_url=redis_server.url, **tier_options)  # type: ignore[arg-type]
+        manager = paged_manager(smollm2, session, 64, tiers)
+        scheduler = ContinuousBatchingScheduler(
+            model_for(smollm2, session, manager), manager, 4, num_steps=4
+        )
+        for prompt in prompts:
+            scheduler.submit(prompt, 12)
+        outputs, _ = scheduler.run()
+        manager.close()
+        return outputs, scheduler.requests(), manager
+
+    # The same secret: the first prompt's whole pages come from Redis, the same tokens.
+    outputs, requests, manager = run(secret=SECRET)
+    pages = (len(prompts[0]) - 1) // 16
     assert outputs == report["outputs"]
-    requests = scheduler.requests()
-    # The first prompt's whole pages come from Redis: nothing of it was on this device.
-    assert requests[0].cached_tokens == (len(prompts[0]) - 1) // 16 * 16
-    assert manager.tiers.stats.redis_hits >= (len(prompts[0]) - 1) // 16  # type: ignore[union-attr]
+    assert requests[0].cached_tokens == pages * 16  # nothing of it was on this device
+    assert manager.tiers.stats.redis_hits >= pages
     assert manager.tier_hit_tokens >= requests[0].cached_tokens
-    manager.close()
+    assert not manager.tiers.stats.invalid
+
+    # Every block rewritten with another block's payload, CRC-32s recomputed: none is
+    # used, the tokens are unchanged, the refusal counted (the prefix ends at the first).
+    client = redis.Redis.from_url(redis_server.url)
+    assert forge_every_block(client, "maxkv@") >= pages
+    outputs, requests, manager = run(secret=SECRET)
+    assert outputs == report["outputs"] and requests[0].cached_tokens == 0
+    assert manager.tiers.stats.invalid == {"signature": 1} and manager.tiers.stats.redis_hits == 0
+
+    # That process recomputed the pages and wrote them back, signed.  A process
+    # without the secret cannot use them (and says why).
+    outputs, requests, manager = run(insecure=True)
+    assert outputs == report["outputs"] and requests[0].cached_tokens == 0
+    assert manager.tiers.stats.invalid == {"unknown_key": 1} and manager.tiers.stats.redis_hits == 0

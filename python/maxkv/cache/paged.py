@@ -337,7 +337,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             return
         with self._lock:
             pages, hashes, _ = self._prefix_blocks(self._prompt(prompt), salt, tiers=False)
-        self._connector.store.prefetch(hashes[len(pages) :])
+        self._connector.store.prefetch(hashes[len(pages) :], tenant=salt)
 
     def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
         pages, _, in_tiers = self._prefix_blocks(tokens, salt)
@@ -351,7 +351,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             self._connector.touch(hashes[: len(pages)])
         on_device = len(pages)
         if in_tiers:
-            pages += self._load_from_tiers(hashes[on_device : on_device + in_tiers])
+            pages += self._load_from_tiers(hashes[on_device : on_device + in_tiers], salt)
         self.tier_hit_tokens += (len(pages) - on_device) * self.page_size
         cached = len(pages) * self.page_size
         self._page_lists[seq_id] = pages
@@ -360,9 +360,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._hashes[seq_id] = hashes[: len(pages)]
         return seq_id, cached
 
-    def _load_from_tiers(self, hashes: list[bytes]) -> list[int]:
-        """Loads the blocks of ``hashes`` into fresh, registered pages, in order, up to the
-        first one no tier can give (or the last free page); returns the pages."""
+    def _load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
+        """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
+        pages, in order, up to the first one no tier can give (or the last free page);
+        returns the pages."""
         from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
 
         assert self._connector is not None
@@ -370,7 +371,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for block in hashes[: self._pool.free_count]:
             (page,) = self._pool.allocate(1)
             try:
-                self._connector.load({LEAF: [page]}, {LEAF: [block]})
+                self._connector.load({LEAF: [page]}, {LEAF: [block]}, tenant=salt)
             except (KVLoadRefused, KVLoadFailed):
                 self._pool.free([page])
                 break
@@ -397,8 +398,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """Registers the pages the committed tokens filled (prefix caching)."""
         if not self._prefix_caching:
             return
-        new_pages: list[int] = []
-        new_hashes: list[bytes] = []
+        # Per tenant (salt): each one's pages are signed with its own key.
+        new_blocks: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for seq_id, ids in tokens.items():
             held_tokens = self._tokens[seq_id]
             held_tokens.extend(ids)
@@ -415,13 +416,15 @@ class PagedKVCacheManager(KVCacheManagerBase):
                     pages[index] = registered
                     self._pool.free([page])
                 else:
+                    new_pages, new_hashes = new_blocks.setdefault(self._salts[seq_id], ([], []))
                     new_pages.append(page)
                     new_hashes.append(block)
                 hashes.append(block)
-        if self._connector is not None and new_pages:
+        if self._connector is not None:
             from ..tiers.connector import LEAF
 
-            self._connector.offload({LEAF: new_pages}, {LEAF: new_hashes})
+            for salt, (new_pages, new_hashes) in new_blocks.items():
+                self._connector.offload({LEAF: new_pages}, {LEAF: new_hashes}, tenant=salt)
 
     # ------------------------------------------------------------- tiers
 

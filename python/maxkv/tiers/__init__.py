@@ -5,7 +5,9 @@
 - :class:`TieredConnector`: MAX 26.7's ``KVConnector`` protocol over a cache's pages
   (imported on first use: it needs ``max.pipelines``).
 - :class:`BlockLayout`, :func:`encode_block`, :func:`decode_block`: what makes a block
-  valid to reuse, and its framing with a CRC-32.
+  valid to reuse, and its framing with CRC-32s and, signed, a MAC.
+- :class:`Keyring` (:mod:`maxkv.tiers.auth`): the secrets that sign blocks leaving the
+  process, per tenant, with rotation and optional encryption.
 - :mod:`maxkv.tiers.local_server`: a throwaway ``redis-server`` on loopback, to try the
   shared tier on one machine.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .auth import Keyring
 from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
 from .disk import DiskTier
 from .host import HostTier
@@ -25,6 +28,7 @@ __all__ = [
     "BlockLayout",
     "DiskTier",
     "HostTier",
+    "Keyring",
     "PageBuffers",
     "RedisTier",
     "TierConfig",

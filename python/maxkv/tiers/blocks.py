@@ -3,17 +3,27 @@
 A block is the KV of one page (or one CacheBlend chunk) as a NumPy array.
 Before it leaves the process (disk, Redis) it is framed as
 ``MAGIC | header length (u32) | CRC-32 of the header (u32) | JSON header |
-payload``; the header names
-everything that makes the block valid to reuse, and a reader refuses a block
-whose header disagrees with its own :class:`BlockLayout` or whose payload
-does not match its length and CRC-32.  A refused block is never used: the
-caller counts it, drops it and recomputes.
+payload [| MAC]``.  The header names everything that makes the block valid
+to reuse (layout, block hash, shape, payload length and CRC-32) and, for a
+signed block, the key id of its MAC (:mod:`maxkv.tiers.auth`): HMAC-SHA256
+of everything before it under a key of the writer's secret and the block's
+tenant.  With encryption on, the payload is AES-256-GCM ciphertext (the
+header's ``cipher`` and ``nonce`` say so).
+
+A reader refuses a block whose MAC is missing (when it holds a secret),
+made with a key it does not hold, or wrong, before believing anything its
+header says; then one whose header disagrees with its own
+:class:`BlockLayout` or key, or whose payload does not match its length and
+CRC-32.  A refused block is never used: the caller counts it, drops it and
+recomputes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import struct
 import zlib
 from dataclasses import asdict, dataclass
@@ -21,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from .auth import CIPHER, MAC_BYTES, NONCE_BYTES, Keyring
+
 __all__ = ["MAGIC", "BlockInvalid", "BlockLayout", "decode_block", "encode_block"]
 
-MAGIC = b"MAXKVB1\0"
+MAGIC = b"MAXKVB2\0"
 _PREFIX = struct.Struct("<II")  # header length, header CRC-32
 
 
@@ -99,38 +111,74 @@ class BlockLayout:
 
 
 def encode_block(
-    layout: BlockLayout, key: bytes, array: np.ndarray, extra: dict[str, Any] | None = None
+    layout: BlockLayout,
+    key: bytes,
+    array: np.ndarray,
+    extra: dict[str, Any] | None = None,
+    *,
+    keyring: Keyring | None = None,
+    tenant: str | None = None,
 ) -> bytes:
-    """One block's bytes: header (layout, key, shape, length, CRC-32, ``extra``), payload."""
+    """One block's bytes: header (layout, key, shape, length, CRC-32, ``extra``), payload,
+    and, with a ``keyring``, the MAC of both under ``tenant``'s key (the payload
+    encrypted first if the keyring encrypts)."""
     payload = np.ascontiguousarray(array, dtype=np.dtype(layout.dtype)).tobytes()
-    header = {
+    header: dict[str, Any] = {
         "layout": asdict(layout),
         "key": key.hex(),
         "shape": list(array.shape),
-        "nbytes": len(payload),
-        "crc32": zlib.crc32(payload),
         "extra": extra or {},
+        "key_id": None if keyring is None else keyring.current_id,
+        "cipher": None,
     }
+    if keyring is not None and keyring.encrypt_blocks:
+        nonce = os.urandom(NONCE_BYTES)
+        header.update(cipher=CIPHER, nonce=nonce.hex())
+        # The header without the payload's length and CRC (which follow from the
+        # ciphertext) is the associated data: both are bound to each other.
+        payload = keyring.encrypt(tenant, payload, _aad(header), nonce)
+    header.update(nbytes=len(payload), crc32=zlib.crc32(payload))
     head = json.dumps(header, sort_keys=True).encode()
-    return b"".join([MAGIC, _PREFIX.pack(len(head), zlib.crc32(head)), head, payload])
+    parts = [MAGIC, _PREFIX.pack(len(head), zlib.crc32(head)), head, payload]
+    if keyring is not None:
+        parts.append(keyring.mac(keyring.current_id, tenant, parts))
+    return b"".join(parts)
+
+
+def _aad(header: dict[str, Any]) -> bytes:
+    fixed = {k: v for k, v in header.items() if k not in ("nbytes", "crc32")}
+    return json.dumps(fixed, sort_keys=True).encode()
 
 
 def decode_block(
-    layout: BlockLayout, key: bytes, data: bytes | memoryview
+    layout: BlockLayout,
+    key: bytes,
+    data: bytes | memoryview,
+    *,
+    keyring: Keyring | None = None,
+    tenant: str | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """The array and ``extra`` of a block's bytes, checked against ``layout`` and ``key``.
+    """The array and ``extra`` of a block's bytes, checked against ``layout`` and ``key``,
+    and, with a ``keyring``, authenticated as written for ``tenant``.
+
+    The signature is checked before anything the header says is believed
+    (only its framing is read first).
 
     Raises:
         BlockInvalid: ``"truncated"``, ``"corrupt"`` (magic, a CRC-32, the header),
-            ``"layout"`` (other model, dtype, layout or shape) or ``"key"``
-            (stored under another hash).
+            ``"unsigned"`` (no MAC, and this reader has a keyring),
+            ``"unknown_key"`` (signed with a key this reader does not hold, or
+            signed and this reader has no keyring), ``"signature"`` (a MAC or
+            an encrypted payload that does not verify: forged, altered, or
+            another tenant's), ``"layout"`` (other model, dtype, layout or
+            shape) or ``"key"`` (stored under another hash).
     """
     view = memoryview(data)
     start = len(MAGIC) + _PREFIX.size
     if len(view) < start:
         raise BlockInvalid("truncated", f"{len(view)} bytes, not even a header")
     if bytes(view[: len(MAGIC)]) != MAGIC:
-        raise BlockInvalid("corrupt", "not a maxkv block (magic)")
+        raise BlockInvalid("corrupt", "not a maxkv block of this version (magic)")
     head_len, head_crc = _PREFIX.unpack(view[len(MAGIC) : start])
     if len(view) < start + head_len:
         raise BlockInvalid("truncated", "header cut short")
@@ -139,11 +187,42 @@ def decode_block(
         raise BlockInvalid("corrupt", "CRC-32 of the header does not match")
     try:
         header = json.loads(bytes(head))
+        kid = header["key_id"]
+        if kid is not None and not isinstance(kid, str):
+            raise TypeError("key_id")
+        nbytes = int(header["nbytes"])
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
+    # The framing's length first (a file cut short is "truncated", not "forged").
+    end = start + head_len + nbytes
+    expected = end + (MAC_BYTES if kid is not None else 0)
+    if len(view) < expected:
+        raise BlockInvalid("truncated", f"{len(view)} bytes, the header says {expected}")
+    if len(view) > expected:
+        raise BlockInvalid("corrupt", f"{len(view)} bytes, the header says {expected}")
+    if kid is None:
+        if keyring is not None:
+            raise BlockInvalid("unsigned", "the block carries no MAC; this reader needs one")
+    else:
+        if keyring is None:
+            raise BlockInvalid(
+                "unknown_key",
+                f"signed with key {kid}, and this process has no secret (MAXKV_TIER_SECRET)",
+            )
+        if not keyring.knows(kid):
+            raise BlockInvalid("unknown_key", f"signed with key {kid}, not one of this keyring's")
+        if not keyring.verify(kid, tenant, [view[:end]], bytes(view[end:])):
+            raise BlockInvalid(
+                "signature", "the MAC does not verify (altered, or another tenant's)"
+            )
+    try:
         stored = BlockLayout(**header["layout"])
         shape = tuple(int(n) for n in header["shape"])
-        nbytes, crc = int(header["nbytes"]), int(header["crc32"])
+        crc = int(header["crc32"])
         stored_key = str(header["key"])
         extra = dict(header["extra"])
+        cipher = header.get("cipher")
+        nonce = bytes.fromhex(header["nonce"]) if cipher is not None else b""
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
     if stored != layout:
@@ -151,10 +230,17 @@ def decode_block(
     if stored_key != key.hex():
         raise BlockInvalid("key", f"block of {stored_key}, asked for {key.hex()}")
     layout.check_shape(shape)
-    payload = view[start + head_len :]
-    dtype = np.dtype(layout.dtype)
-    if len(payload) != nbytes or nbytes != int(np.prod(shape)) * dtype.itemsize:
-        raise BlockInvalid("truncated", f"payload of {len(payload)} bytes, header says {nbytes}")
+    payload: bytes | memoryview = view[start + head_len : end]
     if zlib.crc32(payload) != crc:
         raise BlockInvalid("corrupt", "CRC-32 of the payload does not match")
+    if cipher is not None:
+        if cipher != CIPHER or keyring is None or kid is None:
+            raise BlockInvalid("corrupt", f"cipher {cipher!r} of an unsigned block, or unknown")
+        try:
+            payload = keyring.decrypt(kid, tenant, nonce, payload, _aad(header))
+        except ValueError as error:
+            raise BlockInvalid("signature", str(error)) from None
+    dtype = np.dtype(layout.dtype)
+    if len(payload) != math.prod(shape) * dtype.itemsize:
+        raise BlockInvalid("truncated", f"payload of {len(payload)} bytes for shape {shape}")
     return np.frombuffer(payload, dtype=dtype).reshape(shape), extra

@@ -18,6 +18,11 @@ full attention), blocks named by their page hash in bytes.  maxkv's
 On a CPU cache a page is host memory, so both copies are done when the call
 returns: every call hands back a :class:`CompletedTransfer` and nothing stays
 pinned.  Tiers need host-visible pages (:class:`PageBuffers` refuses others).
+
+Beyond MAX's signatures, ``load`` and ``offload`` take the blocks' ``tenant``
+(keyword): the ``cache_salt`` of the sequences they belong to, whose key signs
+them on disk and in Redis (:mod:`maxkv.tiers.auth`).  All blocks of one call
+belong to one tenant; the default ``None`` is the tenant of unsalted requests.
 """
 
 from __future__ import annotations
@@ -104,8 +109,11 @@ class TieredConnector:
         block_hashes: Mapping[str, Sequence[bytes]],
         replica_idx: int = 0,
         hint: bytes | None = None,
+        *,
+        tenant: str | None = None,
     ) -> CompletedTransfer:
-        """Reads ``block_hashes[leaf][i]`` into page ``block_ids[leaf][i]`` (done on return).
+        """Reads ``block_hashes[leaf][i]`` (of ``tenant``) into page ``block_ids[leaf][i]``
+        (done on return).
 
         Raises:
             KVLoadRefused: At the first block no tier holds a valid copy of
@@ -116,7 +124,7 @@ class TieredConnector:
         if len(ids) != len(hashes):
             raise ValueError(f"{len(ids)} pages for {len(hashes)} block hashes")
         for page, block in zip(ids, hashes, strict=True):
-            entry = self.store.get(block)
+            entry = self.store.get(block, tenant=tenant)
             if entry is None:
                 self._add(connector_loads_refused=1)
                 raise KVLoadRefused(f"block {block.hex()} is in no tier", LEAF, block)
@@ -129,8 +137,11 @@ class TieredConnector:
         block_ids: Mapping[str, Sequence[int]],
         block_hashes: Mapping[str, Sequence[bytes]],
         replica_idx: int = 0,
+        *,
+        tenant: str | None = None,
     ) -> CompletedTransfer:
-        """Copies each page not in host memory yet to the store (host now, disk/Redis soon)."""
+        """Copies each page not in host memory yet to the store (host now, disk/Redis soon,
+        signed for ``tenant``)."""
         del replica_idx
         ids, hashes = block_ids.get(LEAF, ()), block_hashes.get(LEAF, ())
         taken = []
@@ -139,7 +150,7 @@ class TieredConnector:
                 self.store.touch([block])
                 continue
             data = self.pages.read(page)
-            self.store.put(block, data)
+            self.store.put(block, data, tenant=tenant)
             self._add(d2h_bytes_copied=int(data.nbytes))
             taken.append(page)
         return CompletedTransfer({LEAF: taken})

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["LocalRedisServer"]
@@ -33,7 +34,21 @@ class LocalRedisServer:
             listen within 10 s.
     """
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        """Args:
+        directory: The server's working directory.
+        port: Its port (default: a free one).
+        extra_args: More ``redis-server`` arguments (``--aclfile``, ``--requirepass``).
+        tls: ``(certificate, private key)`` PEM files: the port speaks TLS only
+            (clients are not asked for certificates), :attr:`url` is ``rediss://``.
+        """
         if BINARY is None:
             raise RuntimeError(
                 "redis-server is not installed (Debian: apt-get install redis-server)"
@@ -41,18 +56,27 @@ class LocalRedisServer:
         self.directory = directory
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.extra_args = list(extra_args)
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def start(self) -> LocalRedisServer:
         assert BINARY is not None
+        if self.tls is None:
+            ports = ["--port", str(self.port)]
+        else:
+            cert, key = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            ports += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+            ports += ["--tls-ca-cert-file", str(cert)]
         self.process = subprocess.Popen(
             [
                 BINARY,
-                "--port",
-                str(self.port),
+                *ports,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -61,6 +85,7 @@ class LocalRedisServer:
                 "no",
                 "--dir",
                 str(self.directory),
+                *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -9,6 +9,12 @@ itself, written last: a reader that finds the metadata finds every part, and
 a block cut short anyway (a part evicted by the server) fails its length or
 CRC-32 check and is dropped.
 
+Operators' Redis: ``redis://user:password@host:port/db`` (an ACL user; the
+tier needs ``GET``, ``MGET``, ``SET``, ``EXISTS`` and ``DEL`` on keys
+``<namespace>@*``), ``rediss://`` for TLS (redis-py's URL options, e.g.
+``?ssl_ca_certs=/path/ca.pem``), ``unix://``.  The URL is only ever logged
+with its password replaced (:func:`redact_url`).
+
 Redis being unreachable (or refusing a command) is not an error for serving: a
 failed call marks the tier down (one warning, :attr:`RedisTier.errors` counts), calls in the next
 ``retry_s`` seconds return at once as misses, and the first call that
@@ -25,19 +31,39 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-__all__ = ["RedisTier"]
+__all__ = ["RedisTier", "redact_url"]
 
 logger = logging.getLogger("maxkv.tiers")
 
 T = TypeVar("T")
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user part (and any ``password=`` query
+    value) replaced by ``***``: what logs and error messages show."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        name, colon, _ = user.partition(":")
+        netloc = f"{name}:***@{host}" if colon else f"***@{host}"
+    query = "&".join(
+        f"{name}=***" if name.lower() == "password" else item
+        for item in parts.query.split("&")
+        if item
+        for name in [item.partition("=")[0]]
+    )
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
 class RedisTier:
     """Blocks on a Redis server (redis-py), shared by every process that uses the same keys.
 
     Args:
-        url: ``redis://host:port/db``.
+        url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) or
+            ``unix://``; kept only as :attr:`safe_url`.
         prefix: Key prefix, ``<namespace>@<layout fingerprint>``.
         max_value_bytes: Largest single value written (blocks are split above it).
         retry_s: How long calls return at once after a failure.
@@ -69,7 +95,8 @@ class RedisTier:
             redis.exceptions.RedisError,
             OSError,
         )
-        self.url = url
+        #: The URL without its password: what this tier logs.
+        self.safe_url = redact_url(url)
         self.prefix = prefix
         self.max_value_bytes = int(max_value_bytes)
         self.retry_s = retry_s
@@ -106,7 +133,7 @@ class RedisTier:
                 logger.warning(
                     "maxkv Redis tier %s unreachable (%s: %s); going on with the local tiers, "
                     "retrying every %.0f s",
-                    self.url,
+                    self.safe_url,
                     what,
                     error,
                     self.retry_s,
@@ -116,7 +143,7 @@ class RedisTier:
             if self._down_until is not None:
                 self._down_until = None
                 self.reconnects += 1
-                logger.warning("maxkv Redis tier %s reachable again", self.url)
+                logger.warning("maxkv Redis tier %s reachable again", self.safe_url)
         return result
 
     def contains(self, blocks: Sequence[bytes]) -> list[bool]:

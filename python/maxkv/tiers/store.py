@@ -16,9 +16,14 @@ Redis.  Where each call sits in a serving step:
 - :meth:`TieredBlockStore.get` (the request claims its prefix) is a host
   read; a block not prefetched yet is read from disk or Redis then.
 
-A block that fails its check (corrupt, truncated, another layout) is counted
-under its reason in :attr:`TieredBlockStore.stats`, deleted from the tier it
-came from, and reported missing, so the caller recomputes it.
+Blocks that leave the process are signed when the configuration has a
+secret (:mod:`maxkv.tiers.auth`), with the key of the block's *tenant* (the
+``cache_salt`` of the sequence that wrote it, given to :meth:`put`,
+:meth:`get` and :meth:`prefetch`).  A block that fails its check (unsigned,
+signed with an unknown key or for another tenant, forged, corrupt,
+truncated, another layout) is counted under its reason in
+:attr:`TieredBlockStore.stats`, deleted from the tier it came from, and
+reported missing, so the caller recomputes it.
 """
 
 from __future__ import annotations
@@ -35,16 +40,47 @@ from typing import Any
 
 import numpy as np
 
+from .auth import Keyring, secret_bytes
 from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
 from .disk import DiskTier
 from .host import HostTier
-from .remote import RedisTier
+from .remote import RedisTier, redact_url
 
 __all__ = ["TierConfig", "TierStats", "TieredBlockStore"]
 
 logger = logging.getLogger("maxkv.tiers")
 
 _GIB = 1 << 30
+
+#: The environment variables of the tiers' security (:meth:`TierConfig.from_env`).
+SECRET_ENV = "MAXKV_TIER_SECRET"
+SECRET_FILE_ENV = "MAXKV_TIER_SECRET_FILE"
+OLD_SECRETS_ENV = "MAXKV_TIER_OLD_SECRETS"
+INSECURE_ENV = "MAXKV_TIER_INSECURE"
+ENCRYPT_ENV = "MAXKV_TIER_ENCRYPT"
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+#: Warnings said once per process (the message is the key).
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(message: str, *args: object) -> None:
+    with _said_lock:
+        if message in _said:
+            return
+        _said.add(message)
+    logger.warning(message, *args)
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {value!r}")
 
 
 def _env_gib(env: dict[str, str], name: str, default: float) -> float:
@@ -73,7 +109,10 @@ class TierConfig:
         host_bytes: Host-memory tier budget (0: no host tier).
         disk_dir: Directory of the disk tier (``None``: no disk tier).
         disk_bytes: Disk tier budget.
-        redis_url: ``redis://host:port/db`` of the shared tier (``None``: none).
+        redis_url: ``redis://[user:password@]host:port/db`` of the shared tier, or
+            ``rediss://`` for TLS (``None``: no Redis tier).  redis-py reads it,
+            TLS options included (``?ssl_ca_certs=/path/ca.pem``); the password
+            never reaches a log line.
         redis_namespace: First part of every Redis key (LMCache's style).
         redis_max_value_bytes: Largest value written to Redis (blocks split above it).
         redis_retry_s: After Redis fails, how long before it is tried again.
@@ -82,6 +121,15 @@ class TierConfig:
         write_queue_bytes: Most bytes waiting for the disk and Redis writer.
         redis_client: A redis-py client to use instead of connecting to
             ``redis_url`` (tests pass ``fakeredis``).
+        secret: Signs every block written to disk or Redis and checks every
+            block read back (:mod:`maxkv.tiers.auth`); at least 16 bytes.
+            Never in ``repr``, logs, keys or block headers.
+        old_secrets: Secrets of before a rotation: blocks signed with them are
+            still accepted (new blocks are signed with ``secret``).
+        insecure: Share unsigned blocks through Redis anyway (without a
+            ``secret`` a Redis tier is refused unless this is set).
+        encrypt: Also encrypt every block's payload (AES-256-GCM, the
+            ``cryptography`` package); needs ``secret``.
     """
 
     model_id: str = ""
@@ -95,6 +143,10 @@ class TierConfig:
     swap_bytes: int = 4 * _GIB
     write_queue_bytes: int = 256 << 20
     redis_client: Any = field(default=None, compare=False, repr=False)
+    secret: str | bytes | None = field(default=None, repr=False)
+    old_secrets: tuple[str | bytes, ...] = field(default=(), repr=False)
+    insecure: bool = False
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "swap_bytes", "write_queue_bytes"):
@@ -111,7 +163,41 @@ class TierConfig:
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
-            raise ValueError(f"redis_url must be redis://host:port/db, got {self.redis_url!r}")
+            raise ValueError(
+                f"redis_url must be redis://host:port/db, got {redact_url(self.redis_url)!r}"
+            )
+        if self.secret is not None:
+            secret_bytes(self.secret)  # raises if too short, never quoting it
+        elif self.old_secrets:
+            raise ValueError("old_secrets without a current secret: set secret too")
+        elif self.encrypt:
+            raise ValueError(
+                f"encryption derives its keys from the secret: set {SECRET_ENV} "
+                "(TierConfig(secret=...))"
+            )
+        for old in self.old_secrets:
+            secret_bytes(old, "old secret")
+        if self.redis_url is not None and self.secret is None and not self.insecure:
+            raise ValueError(
+                "the Redis tier is shared, and unsigned blocks there let anyone who can write "
+                f"to it change this server's answers: set {SECRET_ENV} (TierConfig(secret=...)) "
+                f"to sign them, or {INSECURE_ENV}=1 (TierConfig(insecure=True)) to share "
+                "unsigned blocks knowingly"
+            )
+
+    def __repr__(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        if self.redis_url is not None:
+            shown["redis_url"] = redact_url(self.redis_url)
+        shown["secret"] = "<set>" if self.secret is not None else None
+        items = ", ".join(f"{name}={value!r}" for name, value in shown.items())
+        return f"TierConfig({items})"
+
+    def keyring(self) -> Keyring | None:
+        """The keys that sign and check blocks (``None`` without a secret)."""
+        if self.secret is None:
+            return None
+        return Keyring(self.secret, self.old_secrets, encrypt=self.encrypt)
 
     @classmethod
     def from_env(cls, model_id: str = "", environ: dict[str, str] | None = None) -> TierConfig:
@@ -120,9 +206,27 @@ class TierConfig:
         - ``MAXKV_HOST_TIER_GB`` (1; 0 turns the host tier off),
         - ``MAXKV_DISK_TIER_DIR`` (unset: no disk tier), ``MAXKV_DISK_TIER_GB`` (16),
         - ``MAXKV_REDIS_URL`` (unset: no Redis tier), ``MAXKV_REDIS_NAMESPACE`` (maxkv),
-        - ``MAXKV_SWAP_GB`` (4).
+        - ``MAXKV_SWAP_GB`` (4),
+        - ``MAXKV_TIER_SECRET`` (or ``MAXKV_TIER_SECRET_FILE``, a file holding
+          it), ``MAXKV_TIER_OLD_SECRETS`` (comma-separated),
+          ``MAXKV_TIER_INSECURE`` (0), ``MAXKV_TIER_ENCRYPT`` (0): see
+          :attr:`secret`, :attr:`old_secrets`, :attr:`insecure`, :attr:`encrypt`.
         """
         env = dict(os.environ if environ is None else environ)
+        secret: str | None = env.get(SECRET_ENV) or None
+        secret_file = env.get(SECRET_FILE_ENV) or None
+        if secret_file is not None:
+            if secret is not None:
+                raise ValueError(f"set {SECRET_ENV} or {SECRET_FILE_ENV}, not both")
+            try:
+                secret = Path(secret_file).read_text().strip() or None
+            except OSError as error:
+                raise ValueError(
+                    f"{SECRET_FILE_ENV}: cannot read {secret_file} ({error.strerror})"
+                ) from None
+            if secret is None:
+                raise ValueError(f"{SECRET_FILE_ENV}: {secret_file} is empty")
+        old = tuple(s for s in env.get(OLD_SECRETS_ENV, "").split(",") if s.strip())
         host = _env_gib(env, "MAXKV_HOST_TIER_GB", 1)
         disk = _env_gib(env, "MAXKV_DISK_TIER_GB", 16)
         swap = _env_gib(env, "MAXKV_SWAP_GB", 4)
@@ -134,12 +238,20 @@ class TierConfig:
             redis_url=env.get("MAXKV_REDIS_URL") or None,
             redis_namespace=env.get("MAXKV_REDIS_NAMESPACE") or "maxkv",
             swap_bytes=int(swap * _GIB),
+            secret=secret,
+            old_secrets=tuple(s.strip() for s in old),
+            insecure=_env_flag(env, INSECURE_ENV),
+            encrypt=_env_flag(env, ENCRYPT_ENV),
         )
 
     @property
     def any_tier(self) -> bool:
         """Whether blocks go anywhere beyond the device."""
         return self.host_bytes > 0 or self.disk_dir is not None or self.redis_url is not None
+
+
+#: A queued write: key, array, extra, tenant.
+_Write = tuple[bytes, np.ndarray, "dict[str, Any] | None", "str | None"]
 
 
 @dataclass
@@ -163,7 +275,8 @@ class TierStats:
     writes_dropped: int = 0
     disk_writes: int = 0
     redis_writes: int = 0
-    #: Blocks refused on their way back, per reason (corrupt, truncated, layout, key).
+    #: Blocks refused on their way back, per reason (unsigned, unknown_key,
+    #: signature, corrupt, truncated, layout, key): :func:`~maxkv.tiers.decode_block`.
     invalid: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,6 +299,8 @@ class TieredBlockStore:
         self.layout = layout
         self.config = config
         self.stats = TierStats()
+        #: Signs blocks on their way out and checks them on their way back.
+        self.keyring = config.keyring()
         self.host = HostTier(config.host_bytes)
         self.disk: DiskTier | None = None
         if config.disk_dir is not None:
@@ -199,12 +314,36 @@ class TieredBlockStore:
                 retry_s=config.redis_retry_s,
                 client=config.redis_client,
             )
+        if self.keyring is None and self.redis is not None:
+            _say_once(
+                "maxkv Redis tier %s: blocks are NOT signed (%s=1): anyone who can write to "
+                "this Redis can change this server's answers, and anyone who can read it can "
+                "read its KV; set %s",
+                self.redis.safe_url,
+                INSECURE_ENV,
+                SECRET_ENV,
+            )
+        if self.keyring is None and self.disk is not None:
+            _say_once(
+                "maxkv disk tier %s: blocks are not signed (no %s): fine for this process's own "
+                "files, not for a directory others can write",
+                config.disk_dir,
+                SECRET_ENV,
+            )
         self._lock = threading.Lock()
         self._inflight: dict[bytes, _Reading] = {}
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._queued_bytes = 0
         self._writer: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def security(self) -> str:
+        """How blocks leaving the process are protected, in words (for logs)."""
+        if self.keyring is None:
+            return "blocks unsigned"
+        what = "signed and encrypted" if self.keyring.encrypt_blocks else "signed"
+        return f"blocks {what} (key {self.keyring.current_id})"
 
     @property
     def remote_tiers(self) -> bool:
@@ -233,8 +372,14 @@ class TieredBlockStore:
             count += 1
         return count
 
-    def get(self, key: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """The block under ``key`` from the nearest tier with a valid copy (then kept in host)."""
+    def get(
+        self, key: bytes, *, tenant: str | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The block under ``key`` from the nearest tier with a valid copy (then kept in host).
+
+        ``tenant``: the salt of the sequences the block belongs to (checked by
+        its signature when it comes from disk or Redis).
+        """
         entry = self.host.get(key)
         if entry is not None:
             with self._lock:
@@ -252,7 +397,7 @@ class TieredBlockStore:
                 mine = False
         if mine:
             try:
-                reading.result = self._fetch(key)
+                reading.result = self._fetch(key, tenant)
             finally:
                 with self._lock:
                     del self._inflight[key]
@@ -267,7 +412,7 @@ class TieredBlockStore:
             self.stats.misses += 1
         return None
 
-    def _fetch(self, key: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
+    def _fetch(self, key: bytes, tenant: str | None) -> tuple[np.ndarray, dict[str, Any]] | None:
         """The block from disk, else Redis, checked (then kept in host); ``None`` if neither."""
         for name, tier in (("disk", self.disk), ("redis", self.redis)):
             if tier is None:
@@ -276,7 +421,9 @@ class TieredBlockStore:
             if data is None:
                 continue
             try:
-                array, extra = decode_block(self.layout, key, data)
+                array, extra = decode_block(
+                    self.layout, key, data, keyring=self.keyring, tenant=tenant
+                )
             except BlockInvalid as invalid:
                 with self._lock:
                     self.stats.invalid[invalid.reason] += 1
@@ -294,8 +441,16 @@ class TieredBlockStore:
 
     # ----------------------------------------------------------------- changes
 
-    def put(self, key: bytes, array: np.ndarray, extra: dict[str, Any] | None = None) -> None:
-        """Keeps ``array`` (handed over, not copied): host now, disk and Redis soon."""
+    def put(
+        self,
+        key: bytes,
+        array: np.ndarray,
+        extra: dict[str, Any] | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> None:
+        """Keeps ``array`` (handed over, not copied): host now, disk and Redis soon
+        (signed for ``tenant``, the salt of the sequences it belongs to)."""
         self.layout.check_shape(tuple(array.shape))
         with self._lock:
             self.stats.puts += 1
@@ -308,14 +463,15 @@ class TieredBlockStore:
                 return
             self._queued_bytes += array.nbytes
         self._start_writer()
-        self._queue.put(("write", (key, array, extra)))
+        self._queue.put(("write", (key, array, extra, tenant)))
 
-    def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Brings ``keys`` from disk or Redis into host memory in the background."""
+    def prefetch(self, keys: Sequence[bytes], *, tenant: str | None = None) -> None:
+        """Brings ``keys`` (of ``tenant``) from disk or Redis into host memory in the
+        background."""
         missing = [k for k in keys if k not in self.host]
         if missing and self.remote_tiers and not self._closed:
             self._start_writer()
-            self._queue.put(("prefetch", missing))
+            self._queue.put(("prefetch", (missing, tenant)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` recently used in the host tier (blocks served from the device)."""
@@ -376,7 +532,7 @@ class TieredBlockStore:
                     self._write(writes)
                 for t in tasks:
                     if t is not None and t[0] == "prefetch":
-                        self._prefetch(t[1])
+                        self._prefetch(*t[1])
             except Exception:
                 logger.exception("maxkv tier writer: a task failed")
             finally:
@@ -385,16 +541,31 @@ class TieredBlockStore:
             if any(t is None for t in tasks):
                 return
 
-    def _prefetch(self, keys: list[bytes]) -> None:
+    def _prefetch(self, keys: list[bytes], tenant: str | None) -> None:
         """Brings ``keys`` (a prefix, in order) into host memory, up to the first that no
         tier holds: what follows it could not be reused anyway."""
         for key in keys:
-            if key not in self.host and self.get(key) is None:
+            if key not in self.host and self.get(key, tenant=tenant) is None:
                 return
 
-    def _write(self, writes: list[tuple[bytes, np.ndarray, dict[str, Any] | None]]) -> None:
+    def encode(
+        self,
+        key: bytes,
+        array: np.ndarray,
+        extra: dict[str, Any] | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> bytes:
+        """The bytes this store writes for a block (signed with its keyring, if any)."""
+        return encode_block(self.layout, key, array, extra, keyring=self.keyring, tenant=tenant)
+
+    def _write(
+        self, writes: list[tuple[bytes, np.ndarray, dict[str, Any] | None, str | None]]
+    ) -> None:
         try:
-            encoded = [(key, encode_block(self.layout, key, a, extra)) for key, a, extra in writes]
+            encoded = [
+                (key, self.encode(key, a, extra, tenant=tenant)) for key, a, extra, tenant in writes
+            ]
             if self.disk is not None:
                 for key, data in encoded:
                     if self.disk.put(key, data):
@@ -405,4 +576,4 @@ class TieredBlockStore:
                     self.stats.redis_writes += len(encoded)
         finally:
             with self._lock:
-                self._queued_bytes -= sum(a.nbytes for _, a, _ in writes)
+                self._queued_bytes -= sum(w[1].nbytes for w in writes)

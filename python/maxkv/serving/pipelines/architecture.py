@@ -15,10 +15,11 @@ from max.graph.weights import WeightsFormat
 from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.context import TextContext
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
-from max.pipelines.lib import SupportedArchitecture, TextTokenizer
+from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.lib.pipeline_variants import text_generation
 from max.pipelines.modeling.types import PipelineTask
 
+from .api import MaxkvTextTokenizer
 from .kv_adapter import MaxkvKVManager
 from .model import MaxkvLlamaPipelineModel
 
@@ -59,7 +60,7 @@ maxkv_llama_arch = SupportedArchitecture(
     default_encoding="float32",
     supported_encodings={"float32"},
     pipeline_model=MaxkvLlamaPipelineModel,
-    tokenizer=TextTokenizer,
+    tokenizer=MaxkvTextTokenizer,
     context_type=TextContext,
     default_weights_format=WeightsFormat.safetensors,
     task=PipelineTask.TEXT_GENERATION,

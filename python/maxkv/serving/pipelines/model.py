@@ -28,6 +28,7 @@ Its inputs reach the graph through
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -54,6 +55,7 @@ from ...cachedir import cache_dir
 from ...models.gguf_file import read_gguf_quantized
 from ...models.llama import LlamaModel, cache_params
 from ...models.loading import load_llama, model_file
+from ...tiers.remote import redact_url
 from ...tiers.store import TierConfig
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
@@ -69,6 +71,25 @@ PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
 DEFAULT_PAGE_SIZE = 16
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
+
+
+class _ToMaxLog(logging.Handler):
+    """Hands maxkv's own log records (``maxkv.*``: the tiers' warnings, refused
+    blocks) to :data:`logger`, renamed below it: ``max serve`` prints only the
+    records of its own loggers' names."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record = copy.copy(record)
+        record.name = f"{logger.name}.{record.name}"
+        logger.handle(record)
+
+
+def forward_maxkv_logs() -> None:
+    """Makes the ``maxkv`` logger's records reach MAX's log (once per process)."""
+    root = logging.getLogger("maxkv")
+    if not any(isinstance(h, _ToMaxLog) for h in root.handlers):
+        root.addHandler(_ToMaxLog())
+        root.propagate = False  # once, through MAX's handlers
 
 
 class CacheDoesNotFitError(ValueError):
@@ -128,6 +149,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             raise ValueError(
                 f"maxkv.pipelines runs float32 (--quantization-encoding float32), not {self.dtype}"
             )
+        forward_maxkv_logs()
         path = checkpoint_path(self.pipeline_config)
         config, weights = load_llama(path)
         self.config = config
@@ -362,7 +384,9 @@ def describe(manager: KVCacheManagerBase) -> str:
             if c.disk_dir is not None:
                 parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
             if c.redis_url is not None:
-                parts.append(f"Redis {c.redis_url}")
+                parts.append(f"Redis {redact_url(c.redis_url)}")
+            if c.disk_dir is not None or c.redis_url is not None:
+                parts.append(tiers.security)
             where = ", KV tiers: " + ", ".join(parts)
         return (
             f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
