@@ -130,7 +130,11 @@ def test_every_forgery_is_refused() -> None:
     with pytest.raises(BlockInvalid, match="MAXKV_TIER_SECRET") as caught:
         decode_block(LAYOUT, key(1), honest[1])
     assert caught.value.reason == "unknown_key"
-    # One bit of the payload flipped, its CRC-32 recomputed.
+    # One bit of the payload flipped: damage (the CRC-32 says so), or a forgery (with the
+    # CRC-32 recomputed).
+    damaged = bytearray(honest[1])
+    damaged[-MAC_BYTES - 7] ^= 1
+    assert reason(bytes(damaged)) == "corrupt"
     flipped = bytearray(payload)
     flipped[3] ^= 1
     assert reason(frame(header, bytes(flipped), mac)) == "signature"

@@ -190,7 +190,7 @@ def decode_block(
         kid = header["key_id"]
         if kid is not None and not isinstance(kid, str):
             raise TypeError("key_id")
-        nbytes = int(header["nbytes"])
+        nbytes, crc = int(header["nbytes"]), int(header["crc32"])
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
     # The framing's length first (a file cut short is "truncated", not "forged").
@@ -212,13 +212,14 @@ def decode_block(
         if not keyring.knows(kid):
             raise BlockInvalid("unknown_key", f"signed with key {kid}, not one of this keyring's")
         if not keyring.verify(kid, tenant, [view[:end]], bytes(view[end:])):
+            if zlib.crc32(view[start + head_len : end]) != crc:  # damaged, not forged
+                raise BlockInvalid("corrupt", "CRC-32 of the payload does not match")
             raise BlockInvalid(
                 "signature", "the MAC does not verify (altered, or another tenant's)"
             )
     try:
         stored = BlockLayout(**header["layout"])
         shape = tuple(int(n) for n in header["shape"])
-        crc = int(header["crc32"])
         stored_key = str(header["key"])
         extra = dict(header["extra"])
         cipher = header.get("cipher")
@@ -231,7 +232,8 @@ def decode_block(
         raise BlockInvalid("key", f"block of {stored_key}, asked for {key.hex()}")
     layout.check_shape(shape)
     payload: bytes | memoryview = view[start + head_len : end]
-    if zlib.crc32(payload) != crc:
+    # A verified MAC covers the payload already: its CRC-32 would say nothing more.
+    if kid is None and zlib.crc32(payload) != crc:
         raise BlockInvalid("corrupt", "CRC-32 of the payload does not match")
     if cipher is not None:
         if cipher != CIPHER or keyring is None or kid is None:

@@ -226,7 +226,7 @@ class TierConfig:
                 ) from None
             if secret is None:
                 raise ValueError(f"{SECRET_FILE_ENV}: {secret_file} is empty")
-        old = tuple(s for s in env.get(OLD_SECRETS_ENV, "").split(",") if s.strip())
+        old = tuple(s.strip() for s in env.get(OLD_SECRETS_ENV, "").split(",") if s.strip())
         host = _env_gib(env, "MAXKV_HOST_TIER_GB", 1)
         disk = _env_gib(env, "MAXKV_DISK_TIER_GB", 16)
         swap = _env_gib(env, "MAXKV_SWAP_GB", 4)
@@ -239,7 +239,7 @@ class TierConfig:
             redis_namespace=env.get("MAXKV_REDIS_NAMESPACE") or "maxkv",
             swap_bytes=int(swap * _GIB),
             secret=secret,
-            old_secrets=tuple(s.strip() for s in old),
+            old_secrets=old,
             insecure=_env_flag(env, INSECURE_ENV),
             encrypt=_env_flag(env, ENCRYPT_ENV),
         )
