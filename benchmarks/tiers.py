@@ -12,8 +12,14 @@
    preemption by swap and by recompute with the host tier, same tokens.
 3. ``offload_overhead``: 32 plain questions, 128 tokens each, twice the pages
    the batch can hold: tokens/s with tiers off, the host tier, host + Redis
-   (nothing is evicted or loaded, so the tiers only take writes), interleaved,
-   medians.
+   (signed blocks; and signed and encrypted), nothing evicted or loaded, so the
+   tiers only take writes; interleaved, medians.
+4. ``block_cost``: what framing one SmolLM2 page costs, in microseconds:
+   encoding and decoding unsigned, signed (HMAC-SHA256) and signed and
+   encrypted (AES-256-GCM) blocks, medians.
+
+Blocks in Redis are signed (``secret``) as ``max serve`` requires; part 1 runs
+once with signed blocks and once with signed and encrypted ones.
 
     python benchmarks/tiers.py --json benchmarks/results/tiers_avx512.json
 
@@ -54,6 +60,8 @@ from serve import SYSTEM_PROMPT as LONG_SYSTEM
 
 PAGE = 16
 MODEL_ID = "smollm2-135m-instruct-gguf"
+#: The secret the benchmark's processes share (a throwaway).
+SECRET = "maxkv-benchmark-secret-0123456789"
 
 
 @contextmanager
@@ -141,12 +149,13 @@ from maxkv.tiers import TierConfig
 from maxkv.tiers.local_server import LocalRedisServer
 
 url, model_id, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+security = json.loads(sys.argv[4])
 model = open_model("smollm2-135m", progress=False)
 session = InferenceSession(devices=[CPU()])
 config = model.config
 manager = PagedKVCacheManager(
     cache_params(config), 16, 256, 4, 1024, config.num_hidden_layers, [CPU()], session,
-    enable_prefix_caching=True, tiers=TierConfig(model_id=model_id, redis_url=url),
+    enable_prefix_caching=True, tiers=TierConfig(model_id=model_id, redis_url=url, **security),
 )
 llama = LlamaModel(config, model.weights, manager, session, quantized=model.quantized)
 scheduler = ContinuousBatchingScheduler(llama, manager, 4, num_steps=4)
@@ -158,11 +167,16 @@ print(json.dumps(manager.tiers.stats.as_dict()))
 """
 
 
-def cross_process(bench: Bench, url: str, repeats: int) -> dict[str, Any]:
+def cross_process(bench: Bench, url: str, repeats: int, encrypt: bool) -> dict[str, Any]:
     model = bench.model
     first_prompts = [chat(model, LONG_SYSTEM, q) for q in QUESTIONS[:2]]
+    # Its own namespace: the blocks of an earlier part are not read here.
+    security = {"secret": SECRET, "encrypt": encrypt, "redis_namespace": f"x{time.time()}"}
     done = subprocess.run(
-        [sys.executable, "-c", _FIRST_PROCESS, url, MODEL_ID, json.dumps(first_prompts)],
+        [
+            *(sys.executable, "-c", _FIRST_PROCESS),
+            *(url, MODEL_ID, json.dumps(first_prompts), json.dumps(security)),
+        ],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -175,7 +189,9 @@ def cross_process(bench: Bench, url: str, repeats: int) -> dict[str, Any]:
         result: dict[str, Any] = {}
         order = ["redis", "full"] if i % 2 == 0 else ["full", "redis"]
         for kind in order:
-            tiers = TierConfig(model_id=MODEL_ID, redis_url=url) if kind == "redis" else None
+            tiers = None
+            if kind == "redis":
+                tiers = TierConfig(model_id=MODEL_ID, redis_url=url, **security)  # type: ignore[arg-type]
             manager = bench.manager(128, 1, tiers)
             run = bench.run(manager, [prompt], 16, 1)
             result[kind] = run
@@ -201,6 +217,7 @@ def cross_process(bench: Bench, url: str, repeats: int) -> dict[str, Any]:
     redis_ttft = statistics.median(r["ttft_redis_s"] for r in rows)
     full_ttft = statistics.median(r["ttft_full_prefill_s"] for r in rows)
     return {
+        "blocks": "signed and encrypted" if encrypt else "signed",
         "first_process_tier_stats": writer,
         "rows": rows,
         "median_ttft_redis_s": redis_ttft,
@@ -284,7 +301,14 @@ def offload_overhead(
         "off": None,
         "host": TierConfig(model_id=MODEL_ID),
         "host+redis": TierConfig(
-            model_id=MODEL_ID, redis_url=url, redis_namespace=f"o{time.time()}"
+            model_id=MODEL_ID, redis_url=url, redis_namespace=f"o{time.time()}", secret=SECRET
+        ),
+        "host+redis encrypted": TierConfig(
+            model_id=MODEL_ID,
+            redis_url=url,
+            redis_namespace=f"e{time.time()}",
+            secret=SECRET,
+            encrypt=True,
         ),
     }
     samples: dict[str, list[float]] = {k: [] for k in configs}
@@ -310,32 +334,91 @@ def offload_overhead(
         "median_tokens_per_s": medians,
         "slowdown_host": 1 - medians["host"] / medians["off"],
         "slowdown_host_redis": 1 - medians["host+redis"] / medians["off"],
+        "slowdown_host_redis_encrypted": 1 - medians["host+redis encrypted"] / medians["off"],
         "device_evictions": evictions,
-        "same_tokens": outputs["host"] == outputs["off"] == outputs["host+redis"],
+        "same_tokens": all(o == outputs["off"] for o in outputs.values()),
     }
+
+
+def block_cost(bench: Bench, repeats: int) -> dict[str, Any]:
+    """Microseconds to encode and decode one page of the model, per framing."""
+    import numpy as np
+
+    from maxkv.tiers import Keyring, decode_block, encode_block
+
+    manager = bench.manager(2, 1)
+    layout = manager.block_layout(MODEL_ID)
+    manager.close()
+    page = np.random.default_rng(0).standard_normal(layout.page_shape()).astype(np.float32)
+    key = bytes(range(16))
+    rows = []
+    for name, keyring in (
+        ("unsigned (CRC-32 only)", None),
+        ("signed (HMAC-SHA256)", Keyring(SECRET)),
+        ("signed and encrypted (AES-256-GCM)", Keyring(SECRET, encrypt=True)),
+    ):
+        encode, decode = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            data = encode_block(layout, key, page, keyring=keyring, tenant="t")
+            t1 = time.perf_counter()
+            back, _ = decode_block(layout, key, data, keyring=keyring, tenant="t")
+            t2 = time.perf_counter()
+            encode.append(t1 - t0)
+            decode.append(t2 - t1)
+        assert np.array_equal(back, page)
+        rows.append(
+            {
+                "framing": name,
+                "page_bytes": int(page.nbytes),
+                "block_bytes": len(data),
+                "encode_us": statistics.median(encode) * 1e6,
+                "decode_us": statistics.median(decode) * 1e6,
+            }
+        )
+        print(
+            f"  {name:36s} encode {rows[-1]['encode_us']:7.0f} us, decode "
+            f"{rows[-1]['decode_us']:7.0f} us per {page.nbytes / 1e6:.2f} MB page"
+        )
+    base = rows[0]
+    for row in rows[1:]:
+        row["added_encode_us"] = row["encode_us"] - base["encode_us"]
+        row["added_decode_us"] = row["decode_us"] - base["decode_us"]
+    return {"repeats": repeats, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="where to save the results")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="questions of cross_process, rounds of offload_overhead",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["cross_process", "memory_pressure", "offload_overhead"],
+        choices=["cross_process", "memory_pressure", "offload_overhead", "block_cost"],
         action="append",
-        help="run only these parts (repeatable)",
+        help="run only these parts (repeatable; --json then keeps the file's other parts)",
     )
     args = parser.parse_args(argv)
     model = open_model("smollm2-135m", progress=False)
     bench = Bench(model, InferenceSession(devices=[CPU()]))
     results: dict[str, Any] = {"machine": machine_info("cpu"), "model": "SmolLM2-135M-Instruct"}
     quick = args.quick
-    parts = args.only or ["cross_process", "memory_pressure", "offload_overhead"]
+    parts = args.only or ["cross_process", "memory_pressure", "offload_overhead", "block_cost"]
     with redis_server() as url:
         if "cross_process" in parts:
             print("cross-process prefix through Redis")
-            results["cross_process"] = cross_process(bench, url, 2 if quick else args.repeats)
+            results["cross_process"] = cross_process(
+                bench, url, 2 if quick else args.repeats, encrypt=False
+            )
+            print("cross-process prefix through Redis, encrypted blocks")
+            results["cross_process_encrypted"] = cross_process(
+                bench, url, 2 if quick else args.repeats, encrypt=True
+            )
         if "memory_pressure" in parts:
             print("memory pressure")
             results["memory_pressure"] = memory_pressure(
@@ -349,13 +432,18 @@ def main(argv: list[str] | None = None) -> int:
                 8 if quick else 32,
                 4 if quick else 16,
                 32 if quick else 128,
-                1 if quick else 3,
+                1 if quick else args.repeats,
             )
+        if "block_cost" in parts:
+            print("block cost")
+            results["block_cost"] = block_cost(bench, 20 if quick else 200)
     print()
-    if "cross_process" in results:
-        c = results["cross_process"]
+    for part in ("cross_process", "cross_process_encrypted"):
+        if part not in results:
+            continue
+        c = results[part]
         print(
-            f"second process TTFT / full prefill: {c['ratio']:.3f} "
+            f"second process TTFT / full prefill, {c['blocks']} blocks: {c['ratio']:.3f} "
             f"({c['median_ttft_redis_s'] * 1e3:.0f}"
             f" / {c['median_ttft_full_prefill_s'] * 1e3:.0f} ms, same tokens {c['same_tokens']})"
         )
@@ -367,11 +455,19 @@ def main(argv: list[str] | None = None) -> int:
     if "offload_overhead" in results:
         o = results["offload_overhead"]
         print(
-            f"offload overhead: host {o['slowdown_host'] * 100:+.1f}%, host+Redis "
-            f"{o['slowdown_host_redis'] * 100:+.1f}% (same tokens {o['same_tokens']})"
+            f"offload overhead: host {o['slowdown_host'] * 100:+.1f}%, host+Redis (signed) "
+            f"{o['slowdown_host_redis'] * 100:+.1f}%, encrypted "
+            f"{o['slowdown_host_redis_encrypted'] * 100:+.1f}% (same tokens {o['same_tokens']})"
+        )
+    for row in results.get("block_cost", {}).get("rows", [])[1:]:
+        print(
+            f"{row['framing']}: +{row['added_encode_us']:.0f} us to encode, "
+            f"+{row['added_decode_us']:.0f} us to decode a page"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        if args.only and args.json.exists():  # the other parts stay as they were
+            results = {**json.loads(args.json.read_text()), **results}
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"saved {args.json}")
     return 0

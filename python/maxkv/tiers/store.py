@@ -548,23 +548,11 @@ class TieredBlockStore:
             if key not in self.host and self.get(key, tenant=tenant) is None:
                 return
 
-    def encode(
-        self,
-        key: bytes,
-        array: np.ndarray,
-        extra: dict[str, Any] | None = None,
-        *,
-        tenant: str | None = None,
-    ) -> bytes:
-        """The bytes this store writes for a block (signed with its keyring, if any)."""
-        return encode_block(self.layout, key, array, extra, keyring=self.keyring, tenant=tenant)
-
-    def _write(
-        self, writes: list[tuple[bytes, np.ndarray, dict[str, Any] | None, str | None]]
-    ) -> None:
+    def _write(self, writes: list[_Write]) -> None:
         try:
             encoded = [
-                (key, self.encode(key, a, extra, tenant=tenant)) for key, a, extra, tenant in writes
+                (key, encode_block(self.layout, key, a, extra, keyring=self.keyring, tenant=tenant))
+                for key, a, extra, tenant in writes
             ]
             if self.disk is not None:
                 for key, data in encoded:
