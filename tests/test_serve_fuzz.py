@@ -48,7 +48,13 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     requires_transformers()
     directory = tmp_path_factory.mktemp("fuzz_model")
     vocab = make_tiny_llama_dir(directory, seed=7)["vocab_size"]
-    with running_server(directory, tmp_path_factory.mktemp("fuzz_serve")) as server:
+    # With a signed disk tier and client salts on: the tiers' and tenants' paths run too.
+    env = {
+        "MAXKV_DISK_TIER_DIR": str(tmp_path_factory.mktemp("fuzz_disk_tier")),
+        "MAXKV_TIER_SECRET": "fuzz-test-secret-0123456789",
+        "MAX_SERVE_USE_CLIENT_CACHE_SALT": "1",
+    }
+    with running_server(directory, tmp_path_factory.mktemp("fuzz_serve"), env) as server:
         yield server, vocab
 
 

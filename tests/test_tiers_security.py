@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from maxkv.tiers import (
 )
 from maxkv.tiers import store as store_module
 from maxkv.tiers.auth import MAC_BYTES, hkdf_sha256, key_id
+from maxkv.tiers.blocks import MAGIC
 from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 from maxkv.tiers.remote import redact_url
 
@@ -269,6 +272,94 @@ def test_redact_url() -> None:
         "rediss://h:1/0?ssl_ca_certs=/ca&password=***"
     )
     assert redact_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+    assert redact_url("rediss://h/0?ssl_password=p&ssl_certfile=/c") == (
+        "rediss://h/0?ssl_password=***&ssl_certfile=/c"
+    )
+
+
+def test_malformed_headers_are_refused_not_raised() -> None:
+    """Headers no writer makes (JSON's Infinity, deep nesting, wrong types, negative or
+    huge lengths, a key id that is not one): each a BlockInvalid, never another error,
+    before any MAC is computed."""
+    ring = Keyring(SECRET)
+    header, payload, mac = split(encode_block(LAYOUT, key(1), block(1), keyring=ring))
+
+    def raw_header(text: bytes) -> bytes:
+        return MAGIC + struct.pack("<II", len(text), zlib.crc32(text)) + text + payload + mac
+
+    bad = [
+        raw_header(b'{"key_id": null, "nbytes": Infinity, "crc32": 0}'),
+        raw_header(b'{"key_id": null, "nbytes": 1e400, "crc32": 0}'),
+        raw_header(b"[" * 100_000),
+        raw_header(b'"just a string"'),
+        raw_header(b"{}"),
+        raw_header(json.dumps({**header, "nbytes": -5}).encode()),
+        raw_header(json.dumps({**header, "nbytes": True}).encode()),
+        raw_header(json.dumps({**header, "crc32": 1.5}).encode()),
+        frame({**header, "key_id": "x" * 10_000}, payload, mac),
+        frame({**header, "key_id": 7}, payload, mac),
+        frame({**header, "key_id": None, "shape": [2**70, 1]}, payload),
+        frame({**header, "key_id": None, "shape": "page"}, payload),
+        frame({**header, "key_id": None, "layout": "page"}, payload),
+        frame({**header, "key_id": None, "layout": {"kind": "page", "x": 1}}, payload),
+    ]
+    for data in bad:
+        for keyring in (ring, None):
+            with pytest.raises(BlockInvalid) as caught:
+                decode_block(LAYOUT, key(1), data, keyring=keyring)
+            assert len(str(caught.value)) < 400  # no stored text repeated at length
+    huge = raw_header(json.dumps({**header, "nbytes": 2**62}).encode())
+    with pytest.raises(BlockInvalid, match="truncated"):
+        decode_block(LAYOUT, key(1), huge, keyring=ring)
+
+
+def test_redis_metadata_no_writer_makes_is_refused_unread() -> None:
+    client = fakeredis.FakeRedis()
+    store = TieredBlockStore(
+        LAYOUT, config(redis_url="redis://fake:0/0", redis_client=client, secret=SECRET)
+    )
+    name = f"maxkv@{LAYOUT.fingerprint}@{key(1).hex()}"
+    for meta in (
+        b'{"parts": Infinity, "nbytes": 10}',
+        b"[" * 100_000,
+        b'{"parts": 1000000000, "nbytes": 1000000000}',  # a billion names: never built
+        b'{"parts": 2, "nbytes": 10}',  # parts missing
+        b'{"parts": 1, "nbytes": 10}',  # a part larger than said
+        b"not json",
+    ):
+        client.set(name, meta)
+        client.set(name + "#0", b"x" * 20)
+        assert store.get(key(1)) is None
+        assert not client.exists(name)  # dropped
+    assert store.stats.invalid["truncated"] == 6
+    store.close()
+
+
+def test_disk_tier_reads_regular_files_only(tmp_path: Path) -> None:
+    store = TieredBlockStore(LAYOUT, config(disk_dir=str(tmp_path), secret=SECRET, host_bytes=0))
+    for i in range(3):
+        store.put(key(i), block(i))
+    store.flush()
+    assert store.disk is not None
+    files = {k: store.disk._path(k) for k in (key(0), key(1), key(2))}
+    assert oct(store.disk.directory.stat().st_mode & 0o777) == "0o700"
+    files[key(0)].unlink()
+    os.mkfifo(files[key(0)])  # would block a reader forever
+    files[key(1)].unlink()
+    files[key(1)].symlink_to("/dev/zero")  # would never end
+    assert store.get(key(0)) is None and store.get(key(1)) is None
+    np.testing.assert_array_equal(store.get(key(2))[0], block(2))  # type: ignore[index]
+    store.close()
+
+
+def test_encrypted_block_without_cryptography_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cryptography")
+    data = encode_block(LAYOUT, key(1), block(1), keyring=Keyring(SECRET, encrypt=True))
+    reader = Keyring(SECRET)  # signs only: no cryptography needed to start
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    with pytest.raises(BlockInvalid, match="cryptography") as caught:
+        decode_block(LAYOUT, key(1), data, keyring=reader)
+    assert caught.value.reason == "unknown_key"
 
 
 def test_store_uses_no_forged_or_foreign_block_and_counts_each(said: None) -> None:
@@ -393,7 +484,7 @@ def _redis_supports_tls(binary: str) -> bool:
 def test_acl_user_restricted_to_the_prefix_and_requirepass(
     tmp_path: Path, said: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    acl = "user maxkv on >s3cret-pass ~maxkv@* +get +mget +set +exists +del +ping\n"
+    acl = "user maxkv on >s3cret-pass ~maxkv@* +get +mget +strlen +set +exists +del +ping\n"
     (tmp_path / "users.acl").write_text(acl + "user default on >admin-pass ~* +@all\n")
     server = RedisServer(tmp_path, extra_args=["--aclfile", str(tmp_path / "users.acl")]).start()
     try:

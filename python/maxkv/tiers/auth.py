@@ -196,10 +196,11 @@ class Keyring:
 
         Raises:
             ValueError: If the ciphertext or its tag does not verify.
+            ImportError: If the ``cryptography`` package is missing.
         """
+        cipher = _aesgcm()(self._key(kid, tenant, b"encrypt"))
         from cryptography.exceptions import InvalidTag
 
-        cipher = _aesgcm()(self._key(kid, tenant, b"encrypt"))
         try:
             return bytes(cipher.decrypt(nonce, bytes(data), aad))
         except InvalidTag:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass
@@ -43,6 +44,8 @@ class BlockInvalid(Exception):
     """A stored block that must not be used; ``reason`` says why (counted per reason)."""
 
     def __init__(self, reason: str, detail: str) -> None:
+        if len(detail) > 300:  # details may quote a stored header: anyone's text
+            detail = detail[:300] + "..."
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
 
@@ -108,6 +111,14 @@ class BlockLayout:
             ok = ok and all(e in (0, n) for e, n in zip(expected[3:], shape[3:], strict=True))
         if not ok:
             raise BlockInvalid("layout", f"shape {shape} is not a {self.kind} block {expected}")
+
+
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _is_count(value: object) -> bool:
+    """An exact JSON integer >= 0 (not a bool, a float or ``Infinity``)."""
+    return type(value) is int and value >= 0
 
 
 def encode_block(
@@ -185,14 +196,19 @@ def decode_block(
     head = view[start : start + head_len]
     if zlib.crc32(head) != head_crc:
         raise BlockInvalid("corrupt", "CRC-32 of the header does not match")
+    # Only the framing is read before the MAC is checked: the key id, the payload's
+    # length and CRC-32, each of an exact type (the JSON is anyone's until then).
     try:
         header = json.loads(bytes(head))
-        kid = header["key_id"]
-        if kid is not None and not isinstance(kid, str):
-            raise TypeError("key_id")
-        nbytes, crc = int(header["nbytes"]), int(header["crc32"])
-    except (ValueError, KeyError, TypeError, RecursionError) as error:
-        raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
+    except (ValueError, RecursionError) as error:
+        raise BlockInvalid("corrupt", f"unreadable header ({type(error).__name__})") from None
+    if not isinstance(header, dict):
+        raise BlockInvalid("corrupt", "the header is not a JSON object")
+    kid, nbytes, crc = header.get("key_id"), header.get("nbytes"), header.get("crc32")
+    if kid is not None and not (isinstance(kid, str) and _KEY_ID.fullmatch(kid)):
+        raise BlockInvalid("corrupt", "the header's key id is not 16 hex digits")
+    if not (_is_count(nbytes) and _is_count(crc)):
+        raise BlockInvalid("corrupt", "the header's payload length or CRC-32 is not a count")
     # The framing's length first (a file cut short is "truncated", not "forged").
     end = start + head_len + nbytes
     expected = end + (MAC_BYTES if kid is not None else 0)
@@ -219,13 +235,15 @@ def decode_block(
             )
     try:
         stored = BlockLayout(**header["layout"])
-        shape = tuple(int(n) for n in header["shape"])
+        shape = tuple(header["shape"])
+        if not all(_is_count(n) for n in shape):
+            raise TypeError("shape")
         stored_key = str(header["key"])
         extra = dict(header["extra"])
         cipher = header.get("cipher")
         nonce = bytes.fromhex(header["nonce"]) if cipher is not None else b""
-    except (ValueError, KeyError, TypeError, RecursionError) as error:
-        raise BlockInvalid("corrupt", f"unreadable header ({error})") from None
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as error:
+        raise BlockInvalid("corrupt", f"unreadable header ({type(error).__name__})") from None
     if stored != layout:
         raise BlockInvalid("layout", f"block of {stored}, expected {layout}")
     if stored_key != key.hex():
@@ -242,6 +260,8 @@ def decode_block(
             payload = keyring.decrypt(kid, tenant, nonce, payload, _aad(header))
         except ValueError as error:
             raise BlockInvalid("signature", str(error)) from None
+        except ImportError as error:  # a replica without the cryptography package
+            raise BlockInvalid("unknown_key", f"encrypted, and {error}") from None
     dtype = np.dtype(layout.dtype)
     if len(payload) != math.prod(shape) * dtype.itemsize:
         raise BlockInvalid("truncated", f"payload of {len(payload)} bytes for shape {shape}")

@@ -2,8 +2,10 @@
 
 Files are written to a temporary name in the same directory and renamed, so a
 reader sees a whole block or none; a crash leaves only ``*.tmp`` files, which
-the next start removes.  Each process should have its own directory (the
-index of what is there, and so the budget, lives in the process).  When the
+the next start removes.  Only regular files of at most a block's size are read
+back (not a link, a FIFO or a device planted in the directory).  Each process
+should have its own directory (the index of what is there, and so the budget,
+lives in the process).  When the
 disk is full (``ENOSPC``, or any other write error) the tier stops accepting
 blocks for ``retry_s`` seconds, with one warning per episode; blocks already
 there stay readable.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -29,17 +32,28 @@ class DiskTier:
     """Key -> a file ``<directory>/<key hex>.kvb``; file bytes ``<= budget_bytes`` always.
 
     Args:
-        directory: Where the files go (created); one per layout and process.
+        directory: Where the files go (created, readable by its owner only); one
+            per layout and process.
         budget_bytes: Most bytes of block files kept (the least recently
             used are deleted to make room).
         retry_s: After a failed write, how long to refuse blocks.
+        max_file_bytes: The largest file read back: a file found larger (or
+            anything not a regular file: a link, a FIFO, a device) is not read.
     """
 
-    def __init__(self, directory: str | Path, budget_bytes: int, retry_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        budget_bytes: int,
+        retry_s: float = 30.0,
+        *,
+        max_file_bytes: int = 1 << 30,
+    ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.max_file_bytes = int(max_file_bytes)
         self.budget_bytes = int(budget_bytes)
         self.retry_s = retry_s
         self.used_bytes = 0
@@ -94,11 +108,30 @@ class DiskTier:
             if key not in self._index:
                 return None
             self._index.move_to_end(key)
-        try:
-            return self._path(key).read_bytes()
-        except OSError:
+        data = self._read(self._path(key))
+        if data is None:
             self.drop(key)
+        return data
+
+    def _read(self, path: Path) -> bytes | None:
+        """The bytes of ``path`` if it is a regular file (not followed if a link; a FIFO
+        never waited on) of at most :attr:`max_file_bytes`; else ``None``."""
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:
             return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > self.max_file_bytes:
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(self.max_file_bytes + 1)
+            return data if len(data) <= self.max_file_bytes else None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def put(self, key: bytes, data: bytes) -> bool:
         """Writes ``data`` under ``key`` (a temporary file, renamed); returns whether it is kept."""

@@ -10,7 +10,7 @@ a block cut short anyway (a part evicted by the server) fails its length or
 CRC-32 check and is dropped.
 
 Operators' Redis: ``redis://user:password@host:port/db`` (an ACL user; the
-tier needs ``GET``, ``MGET``, ``SET``, ``EXISTS`` and ``DEL`` on keys
+tier needs ``GET``, ``MGET``, ``STRLEN``, ``SET``, ``EXISTS`` and ``DEL`` on keys
 ``<namespace>@*``), ``rediss://`` for TLS (redis-py's URL options, e.g.
 ``?ssl_ca_certs=/path/ca.pem``), ``unix://``.  The URL is only ever logged
 with its password replaced (:func:`redact_url`).
@@ -39,10 +39,14 @@ logger = logging.getLogger("maxkv.tiers")
 
 T = TypeVar("T")
 
+#: The most parts one block is read in (a block of 1 GiB in parts of 16 KiB).
+MAX_PARTS = 65536
+
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user part (and any ``password=`` query
-    value) replaced by ``***``: what logs and error messages show."""
+    """``url`` with the password of its user part (and the value of any query
+    option whose name holds ``password``) replaced by ``***``: what logs and error
+    messages show."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
@@ -50,7 +54,7 @@ def redact_url(url: str) -> str:
         name, colon, _ = user.partition(":")
         netloc = f"{name}:***@{host}" if colon else f"***@{host}"
     query = "&".join(
-        f"{name}=***" if name.lower() == "password" else item
+        f"{name}=***" if "password" in name.lower() else item
         for item in parts.query.split("&")
         if item
         for name in [item.partition("=")[0]]
@@ -70,6 +74,8 @@ class RedisTier:
         timeout_s: Socket connect and read timeout.
         client: A redis-py client to use instead of connecting to ``url``
             (tests pass ``fakeredis``).
+        max_block_bytes: The largest block a reader accepts: stored metadata
+            or parts that add up to more are refused before they are read.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class RedisTier:
         retry_s: float = 5.0,
         timeout_s: float = 1.0,
         client: Any = None,
+        max_block_bytes: int = 1 << 30,
     ) -> None:
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be >= 1, got {max_value_bytes}")
@@ -99,6 +106,7 @@ class RedisTier:
         self.safe_url = redact_url(url)
         self.prefix = prefix
         self.max_value_bytes = int(max_value_bytes)
+        self.max_block_bytes = int(max_block_bytes)
         self.retry_s = retry_s
         self.client = client or redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
@@ -166,16 +174,40 @@ class RedisTier:
             meta = self.client.get(self.key(block))
             if meta is None:
                 return None
-            try:
-                parts = int(json.loads(meta)["parts"])
-            except (ValueError, KeyError, TypeError):
-                return b""  # unreadable metadata: the caller's check refuses it
-            if parts < 1:
-                return b""
-            values = self.client.mget([f"{self.key(block)}#{i}" for i in range(parts)])
+            layout = self._parts(meta)
+            if layout is None:
+                return b""  # metadata no writer made: the caller's check refuses it
+            parts, nbytes = layout
+            names = [f"{self.key(block)}#{i}" for i in range(parts)]
+            # The parts' sizes before their bytes: what is read stays within a block.
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.strlen(name)
+            if sum(int(n) for n in pipe.execute()) != nbytes:
+                return b""  # a part missing, cut or grown
+            values = self.client.mget(names)
             return b"".join(v for v in values if isinstance(v, bytes))
 
         return self._call("GET", read, None)
+
+    def _parts(self, meta: bytes | str) -> tuple[int, int] | None:
+        """``(parts, nbytes)`` of stored metadata, or ``None`` unless both are counts
+        a writer could have made (at most :attr:`max_block_bytes` bytes, parts of at
+        least one byte, at most :data:`MAX_PARTS` of them)."""
+        try:
+            fields = json.loads(meta)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(fields, dict):
+            return None
+        parts, nbytes = fields.get("parts"), fields.get("nbytes")
+        if type(parts) is not int or type(nbytes) is not int:
+            return None
+        if not (
+            0 <= nbytes <= self.max_block_bytes and 1 <= parts <= min(MAX_PARTS, max(nbytes, 1))
+        ):
+            return None
+        return parts, nbytes
 
     def put(self, block: bytes, data: bytes) -> bool:
         """Writes the parts, then the metadata; returns whether the server took them."""
@@ -204,12 +236,8 @@ class RedisTier:
 
         def delete() -> None:
             meta = self.client.get(self.key(block))
-            parts = 0
-            if meta is not None:
-                try:
-                    parts = int(json.loads(meta)["parts"])
-                except (ValueError, KeyError, TypeError):
-                    parts = 0
+            layout = self._parts(meta) if meta is not None else None
+            parts = layout[0] if layout is not None else 1
             keys = [self.key(block)] + [f"{self.key(block)}#{i}" for i in range(parts)]
             self.client.delete(*keys)
 

@@ -29,6 +29,7 @@ reported missing, so the caller recomputes it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -51,6 +52,8 @@ __all__ = ["TierConfig", "TierStats", "TieredBlockStore"]
 logger = logging.getLogger("maxkv.tiers")
 
 _GIB = 1 << 30
+#: Room for a block's header, MAC and cipher tag beyond its array.
+_FRAMING_BYTES = 1 << 20
 
 #: The environment variables of the tiers' security (:meth:`TierConfig.from_env`).
 SECRET_ENV = "MAXKV_TIER_SECRET"
@@ -302,9 +305,19 @@ class TieredBlockStore:
         #: Signs blocks on their way out and checks them on their way back.
         self.keyring = config.keyring()
         self.host = HostTier(config.host_bytes)
+        #: The largest block this store writes (a page, or a chunk within the write
+        #: queue) and framing: larger stored blocks are refused unread.
+        largest = math.prod(layout.page_shape()) * np.dtype(layout.dtype).itemsize
+        if layout.kind != "page":
+            largest = config.write_queue_bytes
+        self.max_block_bytes = largest + _FRAMING_BYTES
         self.disk: DiskTier | None = None
         if config.disk_dir is not None:
-            self.disk = DiskTier(Path(config.disk_dir) / layout.fingerprint, config.disk_bytes)
+            self.disk = DiskTier(
+                Path(config.disk_dir) / layout.fingerprint,
+                config.disk_bytes,
+                max_file_bytes=self.max_block_bytes,
+            )
         self.redis: RedisTier | None = None
         if config.redis_url is not None:
             self.redis = RedisTier(
@@ -313,6 +326,7 @@ class TieredBlockStore:
                 max_value_bytes=config.redis_max_value_bytes,
                 retry_s=config.redis_retry_s,
                 client=config.redis_client,
+                max_block_bytes=self.max_block_bytes,
             )
         if self.keyring is None and self.redis is not None:
             _say_once(
@@ -424,10 +438,17 @@ class TieredBlockStore:
                 array, extra = decode_block(
                     self.layout, key, data, keyring=self.keyring, tenant=tenant
                 )
-            except BlockInvalid as invalid:
+            except Exception as error:  # BlockInvalid; anything else is a checker's bug
+                invalid = error if isinstance(error, BlockInvalid) else None
+                reason = invalid.reason if invalid is not None else "corrupt"
                 with self._lock:
-                    self.stats.invalid[invalid.reason] += 1
-                logger.warning("maxkv %s tier: dropped block %s (%s)", name, key.hex(), invalid)
+                    self.stats.invalid[reason] += 1
+                logger.warning(
+                    "maxkv %s tier: dropped block %s (%s)",
+                    name,
+                    key.hex(),
+                    invalid if invalid is not None else f"corrupt: {type(error).__name__}",
+                )
                 tier.drop(key)
                 continue
             with self._lock:

@@ -123,10 +123,7 @@ class MaxkvTextTokenizer(TextTokenizer):
     ) -> np.ndarray:
         if not isinstance(prompt, str):
             check_token_ids(prompt, self.vocab_limit)  # before NumPy sees them
-        ids = np.asarray(await super().encode(prompt, add_special_tokens))
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit):
-            check_token_ids(ids.tolist(), self.vocab_limit)  # the tokenizer's own ids
-        return ids
+        return np.asarray(await super().encode(prompt, add_special_tokens))
 
     async def new_context(self, request: Any) -> Any:
         if getattr(request, "echo", False) and getattr(request, "logprobs", 0):
@@ -137,8 +134,12 @@ class MaxkvTextTokenizer(TextTokenizer):
         if request.sampling_params is not None:
             check_sampling(request.sampling_params, self.vocab_limit)
         context = await super().new_context(request)
-        if len(context.tokens.all) == 0:
+        ids = np.asarray(context.tokens.all)
+        if ids.size == 0:
             raise InputError("the prompt has no tokens")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit:
+            # Whatever made them (a chat encoder, the tokenizer's own added tokens).
+            check_token_ids(ids.tolist(), self.vocab_limit)
         return context
 
 
