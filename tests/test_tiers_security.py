@@ -495,6 +495,13 @@ def test_acl_user_restricted_to_the_prefix_and_requirepass(
         assert store.stats.redis_writes == 1
         np.testing.assert_array_equal(store.get(key(1))[0], block(1))  # type: ignore[index]
         store.close()
+        # requirepass style (the default user's password, no user name) works the same.
+        admin = f"redis://:admin-pass@127.0.0.1:{server.port}/0"
+        store = TieredBlockStore(LAYOUT, config(redis_url=admin, secret=SECRET, host_bytes=0))
+        np.testing.assert_array_equal(store.get(key(1))[0], block(1))  # type: ignore[index]
+        assert "admin-pass" not in repr(store.config) and store.redis is not None
+        assert store.redis.safe_url.startswith("redis://:***@")
+        store.close()
         # Outside its prefix the user may do nothing (checked with redis-py directly).
         import redis
 
