@@ -44,14 +44,17 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-#: A plain chat template, so that ``/v1/chat/completions`` is served too.
+#: A plain chat template (``chat_template=True``), so that ``/v1/chat/completions``
+#: is served too.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
 
-def make_tiny_llama_dir(directory: Path, *, seed: int = 0, layers: int = 2) -> dict[str, int]:
+def make_tiny_llama_dir(
+    directory: Path, *, seed: int = 0, layers: int = 2, chat_template: bool = False
+) -> dict[str, int]:
     """Writes the directory; returns its vocabulary size and EOS/BOS ids.
 
     Needs torch and transformers (the weights are transformers' own init).
@@ -68,7 +71,8 @@ def make_tiny_llama_dir(directory: Path, *, seed: int = 0, layers: int = 2) -> d
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", bos_token="<s>")
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:  # max generate --prompt then applies it: off unless asked for
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
 
     torch.manual_seed(seed)

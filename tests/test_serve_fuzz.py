@@ -8,7 +8,7 @@ JSON, other content types, uploads cut short): :mod:`tests.request_fuzz`.
 Each must be answered with 200 or 4xx (streams: no error event of 5xx
 either), the server must still answer afterwards, and a normal batch after
 the run must give transformers' text.  ``MAXKV_FUZZ_EXAMPLES`` sets the
-number of requests (default 1500; the issue's run used more).
+number of requests (default 1000).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .request_fuzz import Raw, chat_bodies, completion_bodies, raw_requests, sen
 
 pytestmark = pytest.mark.serve
 
-EXAMPLES = int(os.environ.get("MAXKV_FUZZ_EXAMPLES", "1500"))
+EXAMPLES = int(os.environ.get("MAXKV_FUZZ_EXAMPLES", "1000"))
 #: What the run saw, for the terminal summary (statuses, requests cut short).
 SEEN: Counter[str] = Counter()
 
@@ -47,7 +47,7 @@ SEEN: Counter[str] = Counter()
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, int]]:
     requires_transformers()
     directory = tmp_path_factory.mktemp("fuzz_model")
-    vocab = make_tiny_llama_dir(directory, seed=7)["vocab_size"]
+    vocab = make_tiny_llama_dir(directory, seed=7, chat_template=True)["vocab_size"]
     # With a signed disk tier and client salts on: the tiers' and tenants' paths run too.
     env = {
         "MAXKV_DISK_TIER_DIR": str(tmp_path_factory.mktemp("fuzz_disk_tier")),
