@@ -33,11 +33,14 @@ def frame(header: dict[str, object], payload: bytes, mac: bytes = b"") -> bytes:
 
 def forge_every_block(client: Any, prefix: str) -> int:
     """Rewrites every block under ``prefix`` with the payload of another (rotated by one),
-    CRC-32s recomputed, MACs kept.  Returns how many blocks it rewrote."""
+    CRC-32s and the metadata's length recomputed, MACs kept.  Returns how many
+    blocks it rewrote."""
     metas = sorted(k for k in client.keys(prefix + "*") if b"#" not in k)
     blocks = [client.get(k + b"#0") for k in metas]
     for i, name in enumerate(metas):
         header, _, mac = split(blocks[i])
         _, payload, _ = split(blocks[(i + 1) % len(blocks)])
-        client.set(name + b"#0", frame(header, payload, mac))
+        forged = frame(header, payload, mac)
+        client.set(name + b"#0", forged)
+        client.set(name, json.dumps({"parts": 1, "nbytes": len(forged)}))  # its length too
     return len(metas)
