@@ -45,9 +45,8 @@ MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
 #: The payload encryption of an encrypted block (its header's ``cipher``).
 CIPHER = "aes-256-gcm"
-#: Bytes of an AES-GCM nonce (random per block) and tag (appended to the ciphertext).
+#: Bytes of an AES-GCM nonce (random per block).
 NONCE_BYTES = 12
-TAG_BYTES = 16
 
 _HKDF_SALT = b"maxkv-tiers-v1"
 _KEY_ID_LABEL = b"maxkv-tiers key id"
