@@ -33,11 +33,18 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) 
 
 
 def attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, first_position: int, causal: bool, scale: float
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    first_position: int,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
 ) -> np.ndarray:
     """Softmax attention of ``q`` ``[new, H, D]`` over ``k, v`` ``[total, KVH, D]``.
 
-    Query token *t* sits at position ``first_position + t``.
+    Query token *t* sits at position ``p = first_position + t``; with a
+    ``window`` (causal only) it sees positions ``p - window + 1 .. p``.
     """
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
@@ -45,9 +52,10 @@ def attention(
     total = k.shape[0]
     for t in range(q.shape[0]):
         visible = first_position + t + 1 if causal else total
+        lo = max(0, visible - window) if window else 0
         for h in range(n_heads):
-            keys = k[:visible, h // group].astype(np.float64)
-            values = v[:visible, h // group].astype(np.float64)
+            keys = k[lo:visible, h // group].astype(np.float64)
+            values = v[lo:visible, h // group].astype(np.float64)
             scores = keys @ q[t, h].astype(np.float64) * scale
             weights = np.exp(scores - scores.max())
             weights /= weights.sum()
@@ -77,17 +85,20 @@ class ReferenceLayerCache:
         head_dim: int,
         theta: float,
         interleaved: bool,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        window: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """One layer step over a ragged batch.
 
-        Returns the rotated Q, the causal attention output and the
-        attention output without a mask, each ``[total_tokens, n_heads, head_dim]``.
+        Returns the rotated Q, the causal attention output, the attention
+        output without a mask and that of the causal mask limited to
+        ``window`` tokens (the causal output again without one), each
+        ``[total_tokens, n_heads, head_dim]``.
         """
         qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T
         q_all = qkv[:, : n_heads * head_dim].reshape(-1, n_heads, head_dim)
         k_all = qkv[:, n_heads * head_dim : (n_heads + n_kv) * head_dim].reshape(-1, n_kv, head_dim)
         v_all = qkv[:, (n_heads + n_kv) * head_dim :].reshape(-1, n_kv, head_dim)
-        q_out, causal_out, full_out = [], [], []
+        q_out, causal_out, full_out, window_out = [], [], [], []
         start = 0
         for seq, count in zip(seqs, new_tokens, strict=True):
             rows = slice(start, start + count)
@@ -105,4 +116,10 @@ class ReferenceLayerCache:
             scale = 1.0 / np.sqrt(head_dim)
             causal_out.append(attention(q, self.k[key], self.v[key], past, True, scale))
             full_out.append(attention(q, self.k[key], self.v[key], past, False, scale))
-        return np.concatenate(q_out), np.concatenate(causal_out), np.concatenate(full_out)
+            window_out.append(attention(q, self.k[key], self.v[key], past, True, scale, window))
+        return (
+            np.concatenate(q_out),
+            np.concatenate(causal_out),
+            np.concatenate(full_out),
+            np.concatenate(window_out),
+        )

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.compile
 
 CPU_REF = DeviceRef.CPU()
 THETA = 10000.0
-MAX_POSITIONS = 64
+MAX_POSITIONS = 512
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class AttentionConfig:
     head_dim: int
     interleaved: bool
     with_null_mask: bool = False
+    #: Also outputs the causal attention limited to this many tokens (after
+    #: the no-mask output, which the config then must have).
+    window: int | None = None
     #: The CPU model's path: a plain matmul, then ``store_kv_ragged`` with
     #: ``freqs_cis`` (store and rotate in one op); outputs Q only, and the
     #: RoPE table's rows are a dimension of the graph.
@@ -66,6 +69,9 @@ class AttentionConfig:
 
 
 GQA_F32 = AttentionConfig(DType.float32, 4, 2, 16, interleaved=False, with_null_mask=True)
+GQA_F32_WINDOW = AttentionConfig(
+    DType.float32, 4, 2, 16, interleaved=False, with_null_mask=True, window=128, max_seq_len=320
+)
 MHA_F32 = AttentionConfig(DType.float32, 2, 2, 32, interleaved=True)
 GQA_BF16 = AttentionConfig(DType.bfloat16, 4, 2, 16, interleaved=False)
 GQA_F32_STORE_ROPE = AttentionConfig(DType.float32, 4, 2, 16, interleaved=False, store_rope=True)
@@ -126,6 +132,10 @@ def build_layer_graph(
         if config.with_null_mask:
             outputs.append(
                 kvops.flash_attention_ragged(params, q, offsets, kv, layer, mask_variant="null")
+            )
+        if config.window:
+            outputs.append(
+                kvops.flash_attention_ragged(params, q, offsets, kv, layer, window=config.window)
             )
         graph.output(*outputs)
     return session.load(graph)
@@ -208,6 +218,7 @@ class LayerHarness:
             cfg.head_dim,
             THETA,
             cfg.interleaved,
+            cfg.window,
         )
         return [as_numpy(o) for o in outputs], expected
 
@@ -242,25 +253,33 @@ def check(
 F32_ATOL = 1e-4
 
 
+@pytest.mark.parametrize("config", [GQA_F32, GQA_F32_WINDOW], ids=["full", "window128"])
 def test_gqa_prefill_decode_mixed_over_two_layers(
-    layer_model: Callable[[AttentionConfig], Model], session: InferenceSession
+    layer_model: Callable[[AttentionConfig], Model],
+    session: InferenceSession,
+    config: AttentionConfig,
 ) -> None:
-    harness = LayerHarness(GQA_F32, layer_model(GQA_F32), session)
+    """Causal, no-mask and (``window128``) sliding-window attention: prompts longer
+    than the window, decode steps (maxkv's CPU decode kernel) and mixed steps
+    (MAX's generic kernel) against NumPy."""
+    harness = LayerHarness(config, layer_model(config), session)
     manager = harness.manager
     manager.claim(6)
     seqs = [3, 0, 5]  # non-contiguous, out of order
 
-    # Ragged prefill [5, 9, 1], layer 0 only: layer 1 must stay untouched.
-    actual, expected = harness.run(0, seqs, [5, 9, 1])
-    assert len(actual) == 3
+    # Ragged prefill [n, 9, 1], layer 0 only: layer 1 must stay untouched
+    # (n = 150 is past the window).
+    n = 150 if config.window else 20
+    actual, expected = harness.run(0, seqs, [n, 9, 1])
+    assert len(actual) == 3 + bool(config.window)
     check(actual, expected, F32_ATOL)
     harness.check_cache(F32_ATOL)
-    actual, expected = harness.run(1, seqs, [5, 9, 1])
+    actual, expected = harness.run(1, seqs, [n, 9, 1])
     check(actual, expected, F32_ATOL)
     harness.check_cache(F32_ATOL)
-    manager.step({3: 5, 0: 9, 5: 1})
+    manager.step({3: n, 0: 9, 5: 1})
 
-    # A decode step on top of it: one token each, positions 5, 9 and 1.
+    # A decode step on top of it: one token each, positions n, 9 and 1.
     for layer in (0, 1):
         actual, expected = harness.run(layer, seqs, [1, 1, 1])
         check(actual, expected, F32_ATOL)
@@ -523,6 +542,27 @@ def graph_values(kernels: Path) -> Callable[..., object]:
             ),
             ValueError,
             "mask_variant must be one of",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.flash_attention_ragged(
+                p, x.reshape(["total_tokens", 2, 16]), o, kv, layer, window=127
+            ),
+            ValueError,
+            "window must be at least 128",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.flash_attention_ragged(
+                p, x.reshape(["total_tokens", 2, 16]), o, kv, layer, window=32.0
+            ),
+            TypeError,
+            "window must be an int",
+        ),
+        (
+            lambda p, kv, x, o, w, f, layer: kvops.flash_attention_ragged(
+                p, x.reshape(["total_tokens", 2, 16]), o, kv, layer, "null", window=128
+            ),
+            ValueError,
+            "a window limits the causal mask",
         ),
         (
             lambda p, kv, x, o, w, f, layer: kvops.flash_attention_ragged(

@@ -45,6 +45,8 @@ class DecodeConfig:
     q_heads: int
     kv_heads: int
     head_dim: int
+    #: A sliding window (the causal mask limited to this many tokens).
+    window: int | None = None
 
     @property
     def params(self) -> KVCacheParams:
@@ -55,6 +57,7 @@ MHA_64 = DecodeConfig(DType.float32, 8, 8, 64)  # GQA ratio 1
 GQA3_128 = DecodeConfig(DType.float32, 6, 2, 128)  # ratio 3
 GQA4_64 = DecodeConfig(DType.float32, 12, 3, 64)  # ratio 4, SmolLM2's 3 KV heads
 GQA4_BF16 = DecodeConfig(DType.bfloat16, 8, 2, 64)
+GQA3_WINDOW = DecodeConfig(DType.float32, 6, 2, 128, window=300)  # splits inside the window
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +82,11 @@ def decode_model(session: InferenceSession) -> Callable[[DecodeConfig], Model]:
             ) as graph:
                 *cache, q, offsets = (v.tensor for v in graph.inputs)
                 kv = FetchContinuousBatchingKVCacheCollection(config.params)(*cache)
-                graph.output(kvops.flash_attention_ragged(config.params, q, offsets, kv, LAYER))
+                graph.output(
+                    kvops.flash_attention_ragged(
+                        config.params, q, offsets, kv, LAYER, window=config.window
+                    )
+                )
             models[config] = session.load(graph)
         return models[config]
 
@@ -104,6 +111,8 @@ def run_case(
         blocks[slot, :, LAYER, :context] = rng.standard_normal(
             (2, context, config.kv_heads, config.head_dim), dtype=np.float32
         )
+        if config.window:  # rows outside the window must not be read
+            blocks[slot, :, LAYER, : max(0, context - config.window)] = np.nan
     q = rng.standard_normal((batch, config.q_heads, config.head_dim), dtype=np.float32)
     manager.fetch(ids)
     manager.step({seq: context - 1 for seq, context in zip(ids, contexts, strict=True)})
@@ -122,7 +131,7 @@ def run_case(
     for b, (slot, context) in enumerate(zip(ids, contexts, strict=True)):
         k = stored[slot, 0, LAYER, :context]
         v = stored[slot, 1, LAYER, :context]
-        expected = attention(queries[b : b + 1], k, v, context - 1, True, scale)[0]
+        expected = attention(queries[b : b + 1], k, v, context - 1, True, scale, config.window)[0]
         worst = max(worst, float(np.abs(actual[b] - expected).max()))
     return worst
 
@@ -140,13 +149,14 @@ CASES = [
     (GQA3_128, [4096]),
     (GQA4_64, [3000, 5, 1300]),
     (GQA4_BF16, [4096, 129, 1]),
+    (GQA3_WINDOW, [1, 299, 300, 301, 4096]),
 ]
 
 
 @pytest.mark.parametrize(
     ("config", "contexts"),
     CASES,
-    ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-d{c.head_dim}-{x}" for c, x in CASES],
+    ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-d{c.head_dim}-w{c.window}-{x}" for c, x in CASES],
 )
 def test_decode_matches_numpy(
     decode_model: Callable[[DecodeConfig], Model],

@@ -97,6 +97,7 @@ def flash_attention[
     kv_heads: Int,
     head_dim: Int,
     mask_str: StaticString,
+    window: Int,
     scale: Float32,
     target: StaticString,
 ](
@@ -109,11 +110,19 @@ def flash_attention[
 ) raises:
     """Ragged flash attention of Q against the cached K/V of `layer_idx` (GQA).
 
+    `mask_str` is "causal", "null" or "sliding_window_causal"; with the last,
+    token at position `p` attends to positions `p - window + 1 .. p` (MAX's
+    `SlidingWindowCausalMask[window]`, transformers' sliding window), and
+    `window` is positive; it is 0 with the other two.
+
     A decode step on CPU (one new token per sequence) runs maxkv's
-    `decode_attention`; anything else runs MAX's generic kernel.  The two masks
-    maxkv takes, causal and null, agree for one new token: it sees every
-    cached token, which is what `decode_attention` computes.
+    `decode_attention` over the tokens the mask lets the new token see: for
+    one new token, causal and null both see every cached token, a sliding
+    window its last `window`.  Anything else runs MAX's generic kernel.
     """
+    comptime assert (window > 0) == (mask_str == "sliding_window_causal"), (
+        "a window goes with the sliding_window_causal mask, and only with it"
+    )
     var layer = check_layer(kv, layer_idx)
     check_row_count[target](kv, input_row_offsets, input.dim_size(0))
     comptime if is_cpu[target]():
@@ -121,14 +130,16 @@ def flash_attention[
             input_row_offsets, kv.batch(), input.dim_size(1), kv_heads
         ):
             decode_attention[kv_heads=kv_heads, head_dim=head_dim](
-                output, input, kv, Int(layer), scale
+                output, input, kv, Int(layer), scale, window
             )
             return
     var view = kv.view()
     var metadata = MHADecodeDispatchMetadata(
         kv.batch(), Int(kv.max_new_tokens()), 0, Int(kv.max_context_length())
     )
-    generic_flash_attention_kv_cache_ragged[target=target, mask_str=mask_str](
+    generic_flash_attention_kv_cache_ragged[
+        target=target, mask_str=mask_str, local_window_size=window if window > 0 else -1
+    ](
         input.to_tile_tensor(),
         input_row_offsets.to_tile_tensor(),
         view,
@@ -197,7 +208,7 @@ struct FusedQKRaggedRope:
 
 @extensibility.register("maxkv.flash_attention_ragged")
 struct FlashAttentionRagged:
-    """See `flash_attention`; `mask_str` is "causal" or "null"."""
+    """See `flash_attention` (`mask_str`, `window`)."""
 
     @staticmethod
     def execute[
@@ -206,6 +217,7 @@ struct FlashAttentionRagged:
         num_heads: Int,
         head_dim: Int,
         mask_str: StaticString,
+        window: Int,
         scale: Float32,
         target: StaticString,
     ](
@@ -217,7 +229,12 @@ struct FlashAttentionRagged:
         ctx: DeviceContext,
     ) raises:
         flash_attention[
-            kv_heads=num_heads, head_dim=head_dim, mask_str=mask_str, scale=scale, target=target
+            kv_heads=num_heads,
+            head_dim=head_dim,
+            mask_str=mask_str,
+            window=window,
+            scale=scale,
+            target=target,
         ](
             output, input, input_row_offsets, kv, layer_idx, ctx
         )
@@ -292,6 +309,7 @@ struct PagedFlashAttentionRagged:
         head_dim: Int,
         page_size: Int,
         mask_str: StaticString,
+        window: Int,
         scale: Float32,
         target: StaticString,
     ](
@@ -303,7 +321,12 @@ struct PagedFlashAttentionRagged:
         ctx: DeviceContext,
     ) raises:
         flash_attention[
-            kv_heads=num_heads, head_dim=head_dim, mask_str=mask_str, scale=scale, target=target
+            kv_heads=num_heads,
+            head_dim=head_dim,
+            mask_str=mask_str,
+            window=window,
+            scale=scale,
+            target=target,
         ](
             output, input, input_row_offsets, kv, layer_idx, ctx
         )

@@ -75,9 +75,12 @@ def decode_attention[
     kv: C,
     layer: Int,
     scale: Float32,
+    window: Int,
 ) raises:
     """`output[b, :, :]` = attention of `q[b]` over the `cache_length(b) + 1`
-    cached tokens of sequence `b` in `layer` (the new token's K/V included).
+    cached tokens of sequence `b` in `layer` (the new token's K/V included),
+    or with `window > 0` over the last `window` of them (a sliding window:
+    positions `cache_length(b) + 1 - window .. cache_length(b)`).
 
     `q` and `output` are `[batch, q_heads, head_dim]`; `decode_applies` was true.
     """
@@ -88,10 +91,14 @@ def decode_attention[
     var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var workers = max(1, parallelism_level(None))
 
+    # lo[b]: the first position sequence b's new token sees.
+    var lo = alloc[Int](batch).unsafe_origin_cast[MutUntrackedOrigin]()
+    for b in range(batch):
+        lo[unsafe_offset=b] = max(0, kv.cache_length(b) + 1 - window) if window > 0 else 0
     # Plan: the split length keeps about 4 items per worker, never below MIN_SPLIT.
     var total = 0
     for b in range(batch):
-        total += kv.cache_length(b) + 1
+        total += kv.cache_length(b) + 1 - lo[unsafe_offset=b]
     var split = max(MIN_SPLIT, (total + 4 * workers - 1) // (4 * workers))
     split = (split + BLOCK - 1) // BLOCK * BLOCK
     # first[b]: the first item of sequence b; its items are its context splits.
@@ -99,7 +106,7 @@ def decode_attention[
     var items = 0
     for b in range(batch):
         first[unsafe_offset=b] = items
-        items += (kv.cache_length(b) + 1 + split - 1) // split
+        items += (kv.cache_length(b) + 1 - lo[unsafe_offset=b] + split - 1) // split
     first[unsafe_offset=batch] = items
     var merged = items > batch
     # Per split item: m [q_heads], l [q_heads], acc [q_heads, head_dim].
@@ -116,7 +123,7 @@ def decode_attention[
         var m = scores.unsafe_offset(q_heads * BLOCK)
         var l = m.unsafe_offset(q_heads)
         var count = first[unsafe_offset=b + 1] - first[unsafe_offset=b]
-        var start = s * split
+        var start = lo[unsafe_offset=b] + s * split
         var end = min(kv.cache_length(b) + 1, start + split)
         var src = qp.unsafe_offset(b * q_heads * head_dim)
         for qh in range(q_heads):
@@ -252,4 +259,5 @@ def decode_attention[
 
         sync_parallelize(merge, merge_tasks)
     first.unsafe_free()
+    lo.unsafe_free()
     scratch.unsafe_free()

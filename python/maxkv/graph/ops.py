@@ -305,11 +305,15 @@ def flash_attention_ragged(
     layer_idx: int | TensorValue,
     mask_variant: MaskVariant = "causal",
     scale: float | None = None,
+    window: int | None = None,
 ) -> TensorValue:
     """Attention of each new token over its sequence's cached keys and values.
 
-    Token *t* of sequence *b* attends to positions ``0 .. cache_length[b] + t``
-    of ``layer_idx``'s cache (``"causal"``) or to all
+    Token *t* of sequence *b* sits at position ``p = cache_length[b] + t``
+    and attends to positions ``0 .. p`` of ``layer_idx``'s cache
+    (``"causal"``), to ``p - window + 1 .. p`` with a ``window`` (a sliding
+    window: its last ``window`` tokens, itself included, as transformers'
+    ``sliding_window`` and MAX's ``SLIDING_WINDOW_CAUSAL_MASK``), or to all
     ``cache_length[b] + new_tokens[b]`` of them (``"null"``).  Query heads
     share key/value heads in groups of ``n_heads // n_kv_heads`` (GQA).
 
@@ -321,9 +325,15 @@ def flash_attention_ragged(
         layer_idx: The layer: a Python int or a uint32 scalar on the host.
         mask_variant: ``"causal"`` (default) or ``"null"``.
         scale: Score scale; default ``1 / sqrt(head_dim)``.
+        window: A positive int: the causal mask limited to that many tokens;
+            ``None`` (default): no window.
 
     Returns:
         ``[total_tokens, n_heads, head_dim]`` of ``params.dtype``.
+
+    Raises:
+        ValueError: On a wrong mask, scale or window (a window with the
+            ``"null"`` mask), or a wrong input.
     """
     device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
     if mask_variant not in _MASKS:
@@ -332,6 +342,12 @@ def flash_attention_ragged(
         scale = 1.0 / math.sqrt(params.head_dim)
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    mask_str: str = mask_variant
+    if window is not None:
+        window = check_window(window)
+        if mask_variant != "causal":
+            raise ValueError(f"a window limits the causal mask, not {mask_variant!r}")
+        mask_str = "sliding_window_causal"
     return ops.inplace_custom(
         kv_collection.op_name("flash_attention_ragged"),
         device=device,
@@ -339,10 +355,34 @@ def flash_attention_ragged(
         out_types=[TensorType(input.dtype, input.shape, device)],
         parameters={
             **kv_collection.kernel_parameters(),
-            "mask_str": mask_variant,
+            "mask_str": mask_str,
+            "window": window or 0,
             "scale": float(scale),
         },
     )[0].tensor
+
+
+#: The smallest attention window the kernels take: MAX's CPU kernel evaluates
+#: a sliding-window mask 128 key positions at a time and refuses (at compile
+#: time) a window narrower than that.  Models' windows are 512 tokens or more.
+MIN_WINDOW = 128
+
+
+def check_window(window: object) -> int:
+    """``window`` if it is an int in ``[MIN_WINDOW, 2**31)`` (an attention window, in tokens).
+
+    Raises:
+        ArgumentTypeError: If it is not an int.
+        ValueError: If it is out of that range.
+    """
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+        raise ArgumentTypeError(f"window must be an int, got {type(window).__name__}")
+    if not MIN_WINDOW <= window < 2**31:
+        raise ValueError(
+            f"window must be at least {MIN_WINDOW} tokens (MAX's CPU attention masks a window "
+            f"{MIN_WINDOW} positions at a time), got {window}"
+        )
+    return int(window)
 
 
 def rope_freqs_cis(
