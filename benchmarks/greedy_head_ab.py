@@ -22,7 +22,7 @@ from max.engine import InferenceSession
 from maxkv_bench.real import QUESTIONS
 
 from maxkv import ContinuousBatchingKVCacheManager
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -42,10 +42,10 @@ def main() -> None:
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), max(batches), 256, config.num_hidden_layers, [device], session
     )
-    models: dict[str, LlamaModel] = {}
+    models: dict[str, DecoderModel] = {}
     for name, flag in (("greedy_head", "1"), ("all_logits", "0")):
         os.environ["MAXKV_GREEDY_HEAD"] = flag
-        models[name] = LlamaModel(
+        models[name] = DecoderModel(
             config, model.weights, manager, session, quantized=model.quantized
         )
     os.environ.pop("MAXKV_GREEDY_HEAD")

@@ -46,7 +46,7 @@ from max.driver import CPU
 from max.engine import InferenceSession
 
 from maxkv import PagedKVCacheManager
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import LoadedModel, open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler, positions_needed
 from maxkv.tiers import TierConfig
@@ -79,7 +79,7 @@ class Bench:
     def __init__(self, model: LoadedModel, session: InferenceSession) -> None:
         self.model = model
         self.session = session
-        self.llama: LlamaModel | None = None
+        self.llama: DecoderModel | None = None
 
     def manager(
         self, num_pages: int, batch: int, tiers: TierConfig | None = None
@@ -98,7 +98,7 @@ class Bench:
             tiers=tiers,
         )
         if self.llama is None:
-            self.llama = LlamaModel(
+            self.llama = DecoderModel(
                 config, self.model.weights, manager, self.session, quantized=self.model.quantized
             )
         return manager
@@ -142,7 +142,7 @@ import json, sys
 from max.driver import CPU
 from max.engine import InferenceSession
 from maxkv import PagedKVCacheManager
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 from maxkv.tiers import TierConfig
@@ -157,7 +157,7 @@ manager = PagedKVCacheManager(
     cache_params(config), 16, 256, 4, 1024, config.num_hidden_layers, [CPU()], session,
     enable_prefix_caching=True, tiers=TierConfig(model_id=model_id, redis_url=url, **security),
 )
-llama = LlamaModel(config, model.weights, manager, session, quantized=model.quantized)
+llama = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
 scheduler = ContinuousBatchingScheduler(llama, manager, 4, num_steps=4)
 for prompt in prompts:
     scheduler.submit(prompt, 8)

@@ -31,9 +31,9 @@ from tqdm import tqdm
 
 from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from maxkv.cache.protocol import KVCacheManagerBase
-from maxkv.models import KNOWN_MODELS, LlamaModel, ModelFetchError, ModelLoadError
+from maxkv.models import KNOWN_MODELS, DecoderModel, ModelFetchError, ModelLoadError
+from maxkv.models.decoder import cache_params
 from maxkv.models.hf import hf_from_pretrained, hf_generate, hf_llama, transformers_available
-from maxkv.models.llama import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.models.resolve import DEFAULT_MODEL, TINY, LoadedModel, open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler, positions_needed
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     output = "logits" if sampling else "tokens"
-    llama = LlamaModel(
+    llama = DecoderModel(
         config, model.weights, manager, session, output=output, quantized=model.quantized
     )
     scheduler = ContinuousBatchingScheduler(llama, manager, args.max_batch_size, args.num_steps)

@@ -41,7 +41,7 @@ from maxkv import (
     KVCacheParams,
 )
 from maxkv.cache.protocol import CacheDevice
-from maxkv.models import LlamaModel
+from maxkv.models import DecoderModel
 from maxkv.models.resolve import LoadedModel
 from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
@@ -124,24 +124,24 @@ def smollm2(smollm2_gguf: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> LlamaModel:
+def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> DecoderModel:
     """SmolLM2 compiled once (greedy tokens out); its graph serves managers of any size.
 
     With the GGUF's block-quantized copies, as the demo runs it: steps of up
     to 8 rows read them, larger ones the float32 weights.
     """
-    from maxkv.models.llama import cache_params
+    from maxkv.models.decoder import cache_params
 
     config = smollm2.config
     spec = CacheSpec(cache_params(config), config.num_hidden_layers)  # no cache needed
-    return LlamaModel(config, smollm2.weights, spec, session, quantized=smollm2.quantized)
+    return DecoderModel(config, smollm2.weights, spec, session, quantized=smollm2.quantized)
 
 
 def smollm2_manager(
     smollm2: LoadedModel, session: InferenceSession, slots: int, max_seq_len: int, **kw: object
 ) -> ContinuousBatchingKVCacheManager:
     """A manager for SmolLM2's cache."""
-    from maxkv.models.llama import cache_params
+    from maxkv.models.decoder import cache_params
 
     config = smollm2.config
     return ContinuousBatchingKVCacheManager(

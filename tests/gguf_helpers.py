@@ -84,7 +84,7 @@ def gguf_name(hf: str) -> str:
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py)."""
+    """llama.cpp's ``DecoderModel.permute`` (convert_hf_to_gguf.py)."""
     return (
         weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
         .swapaxes(1, 2)

@@ -11,7 +11,7 @@ import pytest
 
 from maxkv.cpu.arrays import ALIGNMENT, aligned, aligned_zeros, is_aligned
 from maxkv.models.config import default_llama
-from maxkv.models.llama import graph_weights
+from maxkv.models.decoder import graph_weights
 
 pytestmark = pytest.mark.unit
 

@@ -16,9 +16,9 @@ from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.cache.spec import CacheSpec
-from maxkv.models import LlamaModel
+from maxkv.models import DecoderModel
 from maxkv.models.config import default_llama
-from maxkv.models.llama import cache_params, graph_weights
+from maxkv.models.decoder import cache_params, graph_weights
 from maxkv.models.reference import logits_reference
 
 PROMPTS = [[1, 5, 9, 200, 3], [7, 7, 100], [42]]
@@ -26,7 +26,7 @@ PROMPTS = [[1, 5, 9, 200, 3], [7, 7, 100], [42]]
 
 def bfloat16_rounded(array: np.ndarray) -> np.ndarray:
     """``array`` rounded to bfloat16 (nearest even), as float32: written apart from
-    :func:`maxkv.models.llama.bfloat16_buffer`."""
+    :func:`maxkv.models.decoder.bfloat16_buffer`."""
     bits = np.ascontiguousarray(array, np.float32).view(np.uint32).astype(np.uint64)
     lower = bits & 0xFFFF
     upper = bits >> 16
@@ -40,20 +40,20 @@ def test_the_model_refuses_dtypes_and_weight_sources_it_cannot_take() -> None:
     session = InferenceSession(devices=[CPU()])
     half = CacheSpec(cache_params(config, DType.float16), config.num_hidden_layers)
     with pytest.raises(ValueError, match="computes in one of"):
-        LlamaModel(config, weights, half, session)
+        DecoderModel(config, weights, half, session)
     spec = CacheSpec(cache_params(config, DType.bfloat16), config.num_hidden_layers)
     with pytest.raises(ValueError, match="exactly one of weights and prepared"):
-        LlamaModel(config, weights, spec, session, prepared={})
+        DecoderModel(config, weights, spec, session, prepared={})
     with pytest.raises(ValueError, match="exactly one of weights and prepared"):
-        LlamaModel(config, None, spec, session)
+        DecoderModel(config, None, spec, session)
     prepared = graph_weights(config, weights, packed=False, dtype=DType.bfloat16)
     del prepared["norm"]
     with pytest.raises(ValueError, match=r"missing \['norm'\]"):
-        LlamaModel(config, None, spec, session, prepared=prepared)
+        DecoderModel(config, None, spec, session, prepared=prepared)
     prepared = graph_weights(config, weights, packed=False, dtype=DType.bfloat16)
     prepared["norm"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="prepared weight norm has shape"):
-        LlamaModel(config, None, spec, session, prepared=prepared)
+        DecoderModel(config, None, spec, session, prepared=prepared)
 
 
 @pytest.mark.unit
@@ -77,7 +77,7 @@ def test_a_bfloat16_llama_matches_the_float64_reference_on_its_weights() -> None
     manager = ContinuousBatchingKVCacheManager(
         params, 4, 64, config.num_hidden_layers, [CPU()], session
     )
-    model = LlamaModel(config, weights, manager, session, output="logits")
+    model = DecoderModel(config, weights, manager, session, output="logits")
     seqs = manager.claim(len(PROMPTS))
     tokens = np.concatenate(PROMPTS).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in PROMPTS])]).astype(np.uint32)

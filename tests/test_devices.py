@@ -19,7 +19,7 @@ from maxkv import ops as kvops
 from maxkv.cache.spec import BATCH_DIM
 from maxkv.graph.checks import same_device
 from maxkv.models.config import default_llama
-from maxkv.models.llama import build_llama_graph, cache_params
+from maxkv.models.decoder import build_decoder_graph, cache_params
 
 GPU, CPU = DeviceRef.GPU(), DeviceRef.CPU()
 
@@ -47,7 +47,7 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
     config, _ = default_llama()
     params = cache_params(config)
     types = cache_types(params, config.num_hidden_layers, GPU)
-    graph = build_llama_graph(
+    graph = build_decoder_graph(
         config, params, types, FetchContinuousBatchingKVCacheCollection(params), GPU
     )
     text = str(graph)
@@ -55,7 +55,7 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
     for cpu_only in ("linear_packed", "store_kv_ragged", "swiglu", "greedy_head"):
         assert f"maxkv.{cpu_only}" not in text, cpu_only
     with pytest.raises(ValueError, match="greedy_head needs a CPU graph"):
-        build_llama_graph(
+        build_decoder_graph(
             config,
             params,
             types,

@@ -23,9 +23,9 @@ from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheM
 from maxkv import ops as kvops
 from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.kernels import kernels_path
-from maxkv.models import LlamaModel
+from maxkv.models import DecoderModel
 from maxkv.models.config import default_llama
-from maxkv.models.llama import cache_params
+from maxkv.models.decoder import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -112,7 +112,7 @@ def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) ->
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), len(prompts), 64, 2, [gpu], session
     )
-    model = LlamaModel(config, weights, manager, session)
+    model = DecoderModel(config, weights, manager, session)
     scheduler = ContinuousBatchingScheduler(model, manager, len(prompts), stop_at_eos=False)
     for prompt in prompts:
         scheduler.submit(prompt, 6)

@@ -19,7 +19,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
-from maxkv.models.llama import LlamaModel
+from maxkv.models.decoder import DecoderModel
 
 pytestmark = pytest.mark.skipif(
     not kvops.greedy_head_supported(), reason="maxkv.greedy_head needs AVX-512 VNNI or AVX2"
@@ -182,6 +182,6 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
 
 
 @pytest.mark.model
-def test_the_real_model_decodes_through_the_greedy_head(smollm2_llama: LlamaModel) -> None:
+def test_the_real_model_decodes_through_the_greedy_head(smollm2_llama: DecoderModel) -> None:
     """The fixture the transformers comparisons use really runs this op."""
     assert smollm2_llama.greedy_head

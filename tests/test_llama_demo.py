@@ -19,8 +19,8 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
-from maxkv.models import LlamaConfig, LlamaModel, ModelLoadError, default_llama, load_llama
-from maxkv.models.llama import cache_params
+from maxkv.models import DecoderConfig, DecoderModel, ModelLoadError, default_llama, load_model
+from maxkv.models.decoder import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -61,7 +61,7 @@ def test_greedy_tokens_match_transformers(
     save_tiny_llama(tmp_path, heads=heads, kv_heads=kv_heads, layers=layers, seed=heads + layers)
     from maxkv.models.hf import hf_from_pretrained, hf_generate
 
-    config, weights = load_llama(tmp_path)
+    config, weights = load_model(tmp_path)
     assert config.head_dim == 64 // heads
     rng = np.random.default_rng(layers)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
@@ -71,7 +71,7 @@ def test_greedy_tokens_match_transformers(
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), max_batch, 48, config.num_hidden_layers, [CPU()], session
     )
-    model = LlamaModel(config, weights, manager, session)
+    model = DecoderModel(config, weights, manager, session)
     syncs = {}
     for num_steps in (1, 4):
         scheduler = ContinuousBatchingScheduler(model, manager, max_batch, num_steps)
@@ -100,12 +100,12 @@ def test_ragged_steps_give_transformers_last_token_logits(
     save_tiny_llama(tmp_path, heads=4, kv_heads=2, layers=2, seed=11)
     from maxkv.models.hf import hf_from_pretrained
 
-    config, weights = load_llama(tmp_path)
+    config, weights = load_model(tmp_path)
     hf = hf_from_pretrained(tmp_path)
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), 3, 48, config.num_hidden_layers, [CPU()], session
     )
-    model = LlamaModel(config, weights, manager, session, output="logits")
+    model = DecoderModel(config, weights, manager, session, output="logits")
     rng = np.random.default_rng(7)
     seqs = manager.claim(3)
     history: dict[int, list[int]] = {seq: [] for seq in seqs}
@@ -173,7 +173,7 @@ def test_bad_model_dirs_end_with_one_error_line(tmp_path: Path) -> None:
     write_config(no_weights)
     bad_shape = tmp_path / "bad_shape"
     write_config(bad_shape)
-    config = LlamaConfig.from_hf(json.loads((bad_shape / "config.json").read_text()))
+    config = DecoderConfig.from_hf(json.loads((bad_shape / "config.json").read_text()))
     weights = {n: np.zeros(s, np.float32) for n, s in config.weight_shapes().items()}
     weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 16), np.float32)
     save_file(weights, str(bad_shape / "model.safetensors"))
@@ -218,7 +218,7 @@ def test_bad_prompts_json_is_one_error_line(tmp_path: Path, content: str, messag
 def test_unsupported_configs_are_refused(change: dict[str, object], message: str) -> None:
     raw = {**SMALL_CONFIG, **change}
     with pytest.raises(ModelLoadError, match=message):
-        LlamaConfig.from_hf(raw)
+        DecoderConfig.from_hf(raw)
 
 
 @pytest.mark.unit

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from max.engine import InferenceSession
 
-from maxkv.models import LlamaModel, ModelFetchError, ModelLoadError, fetch, load_llama
+from maxkv.models import DecoderModel, ModelFetchError, ModelLoadError, fetch, load_model
 from maxkv.models.fetch import KnownModel, cached_path
 from maxkv.models.gguf_file import unpermute_rope_rows
 from maxkv.models.resolve import LoadedModel
@@ -57,7 +57,7 @@ def test_gguf_tensor_types_load_like_gguf_and_transformers(
     path = tmp_path / f"tiny-{matrix_type}.gguf"
     write_llama_gguf(path, weights, matrix_type=matrix_type)
 
-    config, loaded = load_llama(path)
+    config, loaded = load_model(path)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
         2,
         4,
@@ -94,7 +94,7 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     path = tmp_path / "q8_1.gguf"
     write_llama_gguf(path, hf_weights(TINY), overrides={"blk.1.ffn_up.weight": "Q8_1"})
     with pytest.raises(ModelLoadError, match=r"tensor type Q8_1, which maxkv cannot dequantize"):
-        load_llama(path)
+        load_model(path)
 
 
 @pytest.mark.unit
@@ -102,7 +102,7 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "qwen.gguf"
     write_llama_gguf(path, hf_weights(TINY), architecture="qwen2")
     with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2'"):
-        load_llama(path)
+        load_model(path)
 
 
 @pytest.mark.unit
@@ -116,27 +116,27 @@ def test_truncated_corrupt_and_missing_files(tmp_path: Path) -> None:
     corrupt.write_bytes(b"NOPE" + data[4:])
     for path in (truncated, corrupt):
         with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {path}"):
-            load_llama(path)
+            load_model(path)
     with pytest.raises(ModelLoadError, match="does not exist"):
-        load_llama(tmp_path / "missing.gguf")
+        load_model(tmp_path / "missing.gguf")
     other = tmp_path / "weights.bin"
     other.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=r"not a \.gguf file"):
-        load_llama(other)
+        load_model(other)
 
 
 @pytest.mark.unit
 def test_directory_holding_one_gguf(tmp_path: Path) -> None:
     weights = hf_weights(TINY, seed=5)
     write_llama_gguf(tmp_path / "model.gguf", weights)
-    config, loaded = load_llama(tmp_path)
+    config, loaded = load_model(tmp_path)
     np.testing.assert_array_equal(
         loaded["model.layers.1.self_attn.k_proj.weight"],
         weights["model.layers.1.self_attn.k_proj.weight"],
     )
     write_llama_gguf(tmp_path / "other.gguf", weights)
     with pytest.raises(ModelLoadError, match="several GGUF files"):
-        load_llama(tmp_path)
+        load_model(tmp_path)
     assert config.num_hidden_layers == 2
 
 
@@ -216,7 +216,7 @@ REAL_PROMPTS = [
 
 @pytest.mark.model
 def test_real_model_greedy_tokens_match_transformers(
-    smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
+    smollm2: LoadedModel, smollm2_llama: DecoderModel, session: InferenceSession
 ) -> None:
     requires_transformers()
     from maxkv.models.hf import hf_from_pretrained, hf_generate

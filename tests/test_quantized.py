@@ -21,9 +21,9 @@ from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
 from maxkv.cpu.quantized import BlockQuantized, from_gguf_blocks
-from maxkv.models import load_llama
+from maxkv.models import load_model
+from maxkv.models.decoder import graph_weights, matrix_sources
 from maxkv.models.gguf_file import read_gguf_quantized
-from maxkv.models.llama import graph_weights, matrix_sources
 from maxkv.models.resolve import LoadedModel
 
 from .gguf_helpers import TINY, hf_weights, write_llama_gguf
@@ -37,7 +37,7 @@ def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type
     weights = hf_weights(TINY, seed=5)
     path = tmp_path / f"tiny-{matrix_type}.gguf"
     write_llama_gguf(path, weights, matrix_type=matrix_type)
-    _, loaded = load_llama(path)  # gguf's dequantization, checked against transformers
+    _, loaded = load_model(path)  # gguf's dequantization, checked against transformers
     quantized = read_gguf_quantized(path)
     matrices = sorted(n for n, a in weights.items() if a.ndim == 2)
     assert sorted(quantized) == matrices

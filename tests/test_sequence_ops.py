@@ -26,8 +26,8 @@ from maxkv import (
 )
 from maxkv.cache.prefix import PrefixIndex
 from maxkv.cache.protocol import KVCacheManagerBase
-from maxkv.models import LlamaModel
-from maxkv.models.llama import cache_params
+from maxkv.models import DecoderModel
+from maxkv.models.decoder import cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -219,13 +219,13 @@ SYSTEM = (
 )
 
 
-_paged_llama: dict[str, LlamaModel] = {}
+_paged_llama: dict[str, DecoderModel] = {}
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_prefix_caching_gives_the_same_tokens(
-    cache: str, smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
+    cache: str, smollm2: LoadedModel, smollm2_llama: DecoderModel, session: InferenceSession
 ) -> None:
     """Contiguous: rows copied from the slot that holds the prefix; paged: pages of
     16 tokens shared by reference.  Either way the tokens of running without."""
@@ -252,11 +252,11 @@ def test_prefix_caching_gives_the_same_tokens(
             enable_prefix_caching=prefix_caching,
         )
 
-    def model_for(manager: KVCacheManagerBase) -> LlamaModel:
+    def model_for(manager: KVCacheManagerBase) -> DecoderModel:
         if cache == "contiguous":
             return smollm2_llama
         if "paged" not in _paged_llama:  # one graph for every paged manager of 16-token pages
-            _paged_llama["paged"] = LlamaModel(
+            _paged_llama["paged"] = DecoderModel(
                 smollm2.config, smollm2.weights, manager, session, quantized=smollm2.quantized
             )
         return _paged_llama["paged"]
@@ -290,7 +290,7 @@ def test_prefix_caching_gives_the_same_tokens(
 
 @pytest.mark.model
 def test_pop_n_rewinds_like_speculative_decoding(
-    smollm2: LoadedModel, smollm2_llama: LlamaModel, session: InferenceSession
+    smollm2: LoadedModel, smollm2_llama: DecoderModel, session: InferenceSession
 ) -> None:
     """Decode, write rejected draft tokens, pop them, decode on: the same tokens as a
     sequence that never saw the draft.
@@ -341,7 +341,7 @@ def test_n_completions_fork_after_the_prompt(session: InferenceSession) -> None:
     """Greedy completions forked from one prompt all equal the NumPy reference;
     sampled ones are reproducible from their seed and differ from each other."""
     from maxkv.models.config import default_llama
-    from maxkv.models.llama import cache_params
+    from maxkv.models.decoder import cache_params
     from maxkv.models.reference import greedy_reference
 
     config, weights = default_llama()
@@ -349,7 +349,7 @@ def test_n_completions_fork_after_the_prompt(session: InferenceSession) -> None:
     manager = ContinuousBatchingKVCacheManager(
         cache_params(config), 6, 40, config.num_hidden_layers, [CPU()], session
     )
-    model = LlamaModel(config, weights, manager, session, output="logits")
+    model = DecoderModel(config, weights, manager, session, output="logits")
 
     def run(temperature: float, seed: int) -> tuple[list[list[list[int]]], int]:
         scheduler = ContinuousBatchingScheduler(model, manager, 6, stop_at_eos=False)

@@ -21,8 +21,8 @@ from max.driver import CPU
 from max.engine import InferenceSession
 
 from maxkv import PagedKVCacheManager
-from maxkv.models import LlamaModel
-from maxkv.models.llama import cache_params
+from maxkv.models import DecoderModel
+from maxkv.models.decoder import cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 from maxkv.tiers import TierConfig
@@ -42,7 +42,7 @@ QUESTIONS = [
     "Where is the cafe?",
     "Do you have meteorites?",
 ]
-_models: dict[str, LlamaModel] = {}
+_models: dict[str, DecoderModel] = {}
 
 
 def paged_manager(
@@ -65,9 +65,9 @@ def paged_manager(
 
 def model_for(
     smollm2: LoadedModel, session: InferenceSession, manager: PagedKVCacheManager
-) -> LlamaModel:
+) -> DecoderModel:
     if "paged" not in _models:  # one graph for every paged manager of 16-token pages
-        _models["paged"] = LlamaModel(
+        _models["paged"] = DecoderModel(
             smollm2.config, smollm2.weights, manager, session, quantized=smollm2.quantized
         )
     return _models["paged"]
@@ -116,8 +116,8 @@ import json, sys
 from max.driver import CPU
 from max.engine import InferenceSession
 from maxkv import PagedKVCacheManager
-from maxkv.models import LlamaModel
-from maxkv.models.llama import cache_params
+from maxkv.models import DecoderModel
+from maxkv.models.decoder import cache_params
 from maxkv.models.resolve import open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 from maxkv.tiers import TierConfig
@@ -131,7 +131,7 @@ manager = PagedKVCacheManager(
     enable_prefix_caching=True,
     tiers=TierConfig(model_id="smollm2-test", redis_url=url, secret=secret),
 )
-llama = LlamaModel(config, model.weights, manager, session, quantized=model.quantized)
+llama = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
 scheduler = ContinuousBatchingScheduler(llama, manager, 4, num_steps=4)
 for prompt in prompts:
     scheduler.submit(prompt, 12)

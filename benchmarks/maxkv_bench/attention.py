@@ -31,7 +31,7 @@ from maxkv import (
     kernels_path,
 )
 from maxkv import ops as kvops
-from maxkv.models.llama import bfloat16_buffer
+from maxkv.models.decoder import bfloat16_buffer
 
 from .timing import interleaved_median_seconds
 

@@ -10,7 +10,7 @@ from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
 from maxkv.models.config import default_llama
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 
@@ -36,7 +36,7 @@ def end_to_end(
         [device],
         session,
     )
-    model = LlamaModel(config, weights, manager, session)
+    model = DecoderModel(config, weights, manager, session)
 
     def run_maxkv() -> tuple[list[list[int]], float]:
         scheduler = ContinuousBatchingScheduler(model, manager, batch, num_steps)

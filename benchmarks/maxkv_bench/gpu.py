@@ -54,10 +54,9 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from maxkv import kernels_path
 from maxkv import ops as kvops
 from maxkv.cache.spec import CacheSpec
-from maxkv.models.config import LlamaConfig, default_llama, random_weight_recipe
-from maxkv.models.export import llama_config_json
-from maxkv.models.llama import (
-    LlamaModel,
+from maxkv.models.config import DecoderConfig, default_llama, random_weight_recipe
+from maxkv.models.decoder import (
+    DecoderModel,
     bfloat16_bits,
     bfloat16_buffer,
     cache_params,
@@ -66,6 +65,7 @@ from maxkv.models.llama import (
     uses_packed_kernels,
     vector_sources,
 )
+from maxkv.models.export import llama_config_json
 from maxkv.models.reference import greedy_reference
 
 from .attention import AttentionShape, bench_attention_decode
@@ -75,8 +75,8 @@ from .real import MaxkvSide, MaxPipeline
 PARTS = ("reduce", "compile", "attention", "end_to_end")
 
 #: The shapes measured (random weights); ``tiny`` is the smoke test's.
-SHAPES: dict[str, LlamaConfig] = {
-    "smollm2": LlamaConfig(
+SHAPES: dict[str, DecoderConfig] = {
+    "smollm2": DecoderConfig(
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
@@ -91,7 +91,7 @@ SHAPES: dict[str, LlamaConfig] = {
         eos_token_ids=(2,),
         bos_token_id=1,
     ),
-    "llama3_8b": LlamaConfig(
+    "llama3_8b": DecoderConfig(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -168,11 +168,11 @@ def compile_variants(smoke: bool) -> list[Variant]:
 # ----------------------------------------------------------------- graphs
 
 
-def shaped(variant: Variant) -> LlamaConfig:
+def shaped(variant: Variant) -> DecoderConfig:
     return dataclasses.replace(SHAPES[variant.shape], num_hidden_layers=variant.layers)
 
 
-def attention_stack(config: LlamaConfig, spec: CacheSpec, device: DeviceRef) -> Graph:
+def attention_stack(config: DecoderConfig, spec: CacheSpec, device: DeviceRef) -> Graph:
     """``layers`` x (fused QKV matmul into the cache, RoPE, flash attention), chained."""
     c, params = config, spec.params
     width = c.num_attention_heads * c.head_dim
@@ -197,7 +197,7 @@ def attention_stack(config: LlamaConfig, spec: CacheSpec, device: DeviceRef) -> 
     return g
 
 
-def rope_stack(config: LlamaConfig, spec: CacheSpec, device: DeviceRef) -> Graph:
+def rope_stack(config: DecoderConfig, spec: CacheSpec, device: DeviceRef) -> Graph:
     """``layers`` x RoPE over one collection, chained: the smallest graph that
     broke MAX's GPU compile (``docs/mojo.md``, "On a GPU")."""
     c, params = config, spec.params
@@ -216,7 +216,7 @@ def rope_stack(config: LlamaConfig, spec: CacheSpec, device: DeviceRef) -> Graph
     return g
 
 
-def max_ops_stack(config: LlamaConfig, dtype: DType, device: DeviceRef) -> Graph:
+def max_ops_stack(config: DecoderConfig, dtype: DType, device: DeviceRef) -> Graph:
     """The model's layers with every maxkv op taken out: MAX's own ops only."""
     c = config
     h_types = [TensorType(dtype, ["tokens", c.hidden_size], device)]
@@ -264,7 +264,7 @@ def compile_variant(variant: Variant, device: Device, workdir: Path) -> dict[str
         directory = write_checkpoint(config, dtype, workdir / "checkpoint", device)[0]
     start, cpu_start = time.perf_counter(), time.process_time()
     if variant.stack == "model":
-        LlamaModel(
+        DecoderModel(
             config,
             weights,
             spec,
@@ -357,7 +357,7 @@ def telling_lines(text: str, limit: int = 12) -> str:
 # ------------------------------------------------------------ checkpoints
 
 
-def hf_random_weights(config: LlamaConfig, device: Device, seed: int = 0) -> dict[str, Any]:
+def hf_random_weights(config: DecoderConfig, device: Device, seed: int = 0) -> dict[str, Any]:
     """:func:`~maxkv.models.config.random_weights`' recipe; ``torch`` tensors on the
     GPU when torch sees one (8B parameters in seconds), float32 NumPy otherwise."""
     if not device.is_host:
@@ -378,7 +378,7 @@ def hf_random_weights(config: LlamaConfig, device: Device, seed: int = 0) -> dic
 
 
 def write_checkpoint(
-    config: LlamaConfig, dtype: DType, directory: Path, device: Device
+    config: DecoderConfig, dtype: DType, directory: Path, device: Device
 ) -> tuple[Path, dict[str, Any]]:
     """A Hugging Face directory of random ``dtype`` weights (and a word-level
     tokenizer over the vocabulary, for MAX's pipeline); also returns the weights,
@@ -436,7 +436,7 @@ def _save_bfloat16_numpy(bits: Mapping[str, np.ndarray], path: Path) -> None:
 
 
 def prepared_graph_weights(
-    config: LlamaConfig, weights: Mapping[str, Any], dtype: DType
+    config: DecoderConfig, weights: Mapping[str, Any], dtype: DType
 ) -> dict[str, Any]:
     """maxkv's unpacked graph weights from Hugging Face ones: the same arrays
     (``torch`` tensors stay on their device; NumPy ones become host buffers of
@@ -565,7 +565,7 @@ def end_to_end(
 def _maxkv_side(
     session: InferenceSession,
     device: Device,
-    config: LlamaConfig,
+    config: DecoderConfig,
     prepared: Mapping[str, Any],
     dtype: DType,
     prompts: list[list[int]],
@@ -580,10 +580,10 @@ def _maxkv_side(
     on the CPU)."""
     packed = uses_packed_kernels(DeviceRef.from_device(device), dtype)
 
-    def build(manager: Any) -> LlamaModel:
+    def build(manager: Any) -> DecoderModel:
         if packed:
-            return LlamaModel(config, prepared, manager, session)  # type: ignore[arg-type]
-        return LlamaModel(config, None, manager, session, prepared=prepared)
+            return DecoderModel(config, prepared, manager, session)  # type: ignore[arg-type]
+        return DecoderModel(config, None, manager, session, prepared=prepared)
 
     start = time.perf_counter()
     ours = MaxkvSide(session, device, config, max_len, build, dtype)

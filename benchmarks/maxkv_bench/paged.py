@@ -31,7 +31,7 @@ from max.graph import DeviceRef, Graph
 from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager, kernels_path
 from maxkv import ops as kvops
 from maxkv.cache.protocol import KVCacheManagerBase
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -276,7 +276,7 @@ def paged_end_to_end(
     result: dict[str, Any] = {"batch": batch, "new_tokens": new_tokens, "page_size": page_size}
     outputs = {}
     for name, manager in managers.items():
-        llama = LlamaModel(c, model.weights, manager, session, quantized=model.quantized)
+        llama = DecoderModel(c, model.weights, manager, session, quantized=model.quantized)
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             scheduler = ContinuousBatchingScheduler(

@@ -32,8 +32,8 @@ from maxkv import (
 from maxkv import ops as kvops
 from maxkv.cpu.arrays import aligned
 from maxkv.cpu.quantized import BlockQuantized
-from maxkv.models.config import LlamaConfig
-from maxkv.models.llama import LlamaModel, bfloat16_buffer, cache_params, graph_weights
+from maxkv.models.config import DecoderConfig
+from maxkv.models.decoder import DecoderModel, bfloat16_buffer, cache_params, graph_weights
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 from .timing import median_seconds
@@ -61,7 +61,7 @@ class _Profiler:
         self,
         session: InferenceSession,
         device: Device,
-        config: LlamaConfig,
+        config: DecoderConfig,
         batch: int,
         context: int,
         warmup: int,
@@ -243,7 +243,7 @@ _EXTRA = 10
 def profile_decode_step(
     session: InferenceSession,
     device: Device,
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: Mapping[str, np.ndarray],
     prompts: list[list[int]],
     *,
@@ -280,7 +280,7 @@ def profile_decode_step(
         [device],
         session,
     )
-    model = LlamaModel(c, weights, manager, session, quantized=quantized)
+    model = DecoderModel(c, weights, manager, session, quantized=quantized)
     step_ms, host_ms = _measure_steps(model, manager, prompts, new_tokens, num_steps, repeats=3)
     registry = graph_weights(
         c, weights, packed=True, quantized=quantized, greedy_head=model.greedy_head
@@ -380,7 +380,7 @@ def profile_decode_step(
 
 
 def _measure_steps(
-    model: LlamaModel,
+    model: DecoderModel,
     manager: ContinuousBatchingKVCacheManager,
     prompts: list[list[int]],
     new_tokens: int,
@@ -415,9 +415,9 @@ def _measure_steps(
 
 
 class _TimedModel:
-    """A :class:`LlamaModel` whose ``execute`` calls are timed (they block on CPU)."""
+    """A :class:`DecoderModel` whose ``execute`` calls are timed (they block on CPU)."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -438,7 +438,7 @@ class _TimedModel:
 def matmul_dtypes(
     session: InferenceSession,
     device: Device,
-    config: LlamaConfig,
+    config: DecoderConfig,
     batches: list[int],
     *,
     warmup: int = 3,

@@ -46,8 +46,8 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
-from maxkv.models.config import LlamaConfig
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.config import DecoderConfig
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import LoadedModel, open_model
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -101,14 +101,14 @@ class MaxkvSide:
         self,
         session: InferenceSession,
         device: Device,
-        config: LlamaConfig,
+        config: DecoderConfig,
         max_len: int,
-        build: Callable[[ContinuousBatchingKVCacheManager], LlamaModel],
+        build: Callable[[ContinuousBatchingKVCacheManager], DecoderModel],
         dtype: DType = DType.float32,
     ) -> None:
         self.session, self.device, self.config, self.max_len = session, device, config, max_len
         self.build, self.dtype = build, dtype
-        self.llama: LlamaModel | None = None
+        self.llama: DecoderModel | None = None
         #: Prompt tokens the last prefix-caching run found in its prefix cache.
         self.prefix_hit_tokens = 0
 
@@ -228,7 +228,7 @@ def _hf_export(model: LoadedModel) -> Path:
 
 
 def roofline_tokens_per_s(
-    config: LlamaConfig,
+    config: DecoderConfig,
     batch: int,
     context: int,
     read_bandwidth_gbps: float,
@@ -276,7 +276,7 @@ def end_to_end_real(
         device,
         model.config,
         max_len,
-        lambda manager: LlamaModel(
+        lambda manager: DecoderModel(
             model.config, model.weights, manager, session, quantized=model.quantized
         ),
     )

@@ -19,7 +19,7 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager
-from maxkv.models.llama import LlamaModel, cache_params
+from maxkv.models.decoder import DecoderModel, cache_params
 from maxkv.models.resolve import LoadedModel
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -59,7 +59,7 @@ def prefix_caching_bench(
     session: InferenceSession,
     device: Device,
     model: LoadedModel,
-    llama: LlamaModel,
+    llama: DecoderModel,
     *,
     new_tokens: int = 16,
     repeats: int = 3,
@@ -109,7 +109,7 @@ def fork_bench(
     session: InferenceSession,
     device: Device,
     model: LoadedModel,
-    llama: LlamaModel,
+    llama: DecoderModel,
     *,
     context: int = 1000,
     repeats: int = 9,
@@ -162,7 +162,7 @@ def sequence_ops_bench(
     manager = ContinuousBatchingKVCacheManager(
         cache_params(c), 1, 16, c.num_hidden_layers, [device], session
     )
-    llama = LlamaModel(c, model.weights, manager, session, quantized=model.quantized)
+    llama = DecoderModel(c, model.weights, manager, session, quantized=model.quantized)
     start = time.perf_counter()
     return {
         "prefix_caching": prefix_caching_bench(

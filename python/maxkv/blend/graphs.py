@@ -1,14 +1,17 @@
-"""The Llama layer split into MAX graphs that take explicit token positions.
+"""The decoder layer split into MAX graphs that take explicit token positions.
 
 CacheBlend computes, at each layer, only some tokens of a prompt, at
 scattered positions, attending over K/V that are partly retrieved; maxkv's
 cache ops (which append at the cache length) cannot express that, so a
 blended prefill runs these graphs layer by layer.  Weights are graph *inputs*
-(the packed arrays of :func:`maxkv.models.llama.graph_weights`), so each
+(the packed arrays of :func:`maxkv.models.decoder.graph_weights`), so each
 graph is compiled once and serves every layer; token counts are symbolic.
-The math is the model's: RMSNorm, fused QKV and gate/up projections through
-``maxkv.linear_packed``, half-split RoPE from the same table, GQA softmax
-attention, SwiGLU.
+The math is the model's: the norms, projections and MLP are the decoder's
+own blocks (:class:`maxkv.models.blocks.Blocks`, reading the layer's weights
+from graph inputs), RoPE is half-split from the same table, attention is
+GQA softmax with the model's query scale.  Models with sliding windows or a
+RoPE per layer type (Mistral, Gemma 3) are refused: blending re-rotates
+and attends over whole chunks.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from .. import ops as kvops
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import KVCacheInputs
 from ..kernels import kernels_path
-from ..models.config import LlamaConfig
-from ..models.llama import graph_weight_shapes
+from ..models.blocks import Blocks
+from ..models.config import DecoderConfig
+from ..models.decoder import graph_weight_shapes
 
 F32 = DType.float32
 
@@ -69,7 +73,8 @@ class LayerGraphs:
     - :meth:`write`: blended K/V of one layer into a maxkv cache slot.
     """
 
-    def __init__(self, config: LlamaConfig, session: InferenceSession, device: Device) -> None:
+    def __init__(self, config: DecoderConfig, session: InferenceSession, device: Device) -> None:
+        check_blendable(config)
         self.config = c = config
         self.session = session
         self.device = device
@@ -89,21 +94,35 @@ class LayerGraphs:
     def _weight_type(self, name: str) -> TensorType:
         return TensorType(F32, list(self.shapes[name]), self.ref)
 
+    def _layer_weights(self, *suffixes: str) -> list[str]:
+        """Layer 0's graph weights of these suffixes that this configuration has
+        (the layer weights a graph takes as inputs, in order)."""
+        return [f"layers.0.{s}" for s in suffixes if f"layers.0.{s}" in self.shapes]
+
+    def _blocks(self, names: list[str], values: list[TensorValue]) -> Blocks:
+        """The decoder's blocks reading ``names`` from the graph inputs ``values``."""
+        by_name = dict(zip(names, values, strict=True))
+        return Blocks(self.config, by_name.__getitem__, packed=True)
+
     # ----------------------------------------------------------- builders
+
+    #: Layer weights of the QKV graph and of the attention + MLP graph (suffixes).
+    QKV_WEIGHTS = ("input_norm", "wqkv", "qkv_bias", "q_norm", "k_norm")
+    MLP_WEIGHTS = ("wo", "o_bias", "post_norm", "pre_ff_norm", "gate_up", "down", "post_ff_norm")
 
     def _qkv_graph(self) -> Graph:
         c = self.config
+        names = self._layer_weights(*self.QKV_WEIGHTS)
         types = [
             TensorType(F32, ["tokens", c.hidden_size], self.ref),
             TensorType(DType.int64, ["tokens"], self.ref),
-            self._weight_type("layers.0.input_norm"),
-            self._weight_type("layers.0.wqkv"),
             self._weight_type("rope.freqs_cis"),
+            *(self._weight_type(n) for n in names),
         ]
         with Graph("blend_qkv", input_types=types, custom_extensions=[kernels_path()]) as g:
-            h, positions, norm, wqkv, table = (v.tensor for v in g.inputs)
-            x = ops.rms_norm(h, norm, epsilon=c.rms_norm_eps)
-            qkv = kvops.linear_packed(x, wqkv, self.q_width + 2 * self.kv_width)
+            h, positions, table, *layer = (v.tensor for v in g.inputs)
+            blocks = self._blocks(names, layer)
+            qkv = blocks.qkv(blocks.norm(h, "layers.0.input_norm"), 0)
             q = ops.reshape(qkv[:, : self.q_width], ["tokens", c.num_attention_heads, c.head_dim])
             k = ops.reshape(
                 qkv[:, self.q_width : self.q_width + self.kv_width],
@@ -120,6 +139,7 @@ class LayerGraphs:
         c = self.config
         heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         group = heads // kv_heads
+        names = self._layer_weights(*self.MLP_WEIGHTS)
         types = [
             TensorType(F32, ["queries", c.hidden_size], self.ref),
             TensorType(F32, ["queries", heads, dim], self.ref),
@@ -127,20 +147,18 @@ class LayerGraphs:
             TensorType(F32, ["keys", kv_heads, dim], self.ref),
             TensorType(F32, ["keys", kv_heads, dim], self.ref),
             TensorType(DType.int64, ["keys"], self.ref),
-            self._weight_type("layers.0.wo"),
-            self._weight_type("layers.0.post_norm"),
-            self._weight_type("layers.0.gate_up"),
-            self._weight_type("layers.0.down"),
+            *(self._weight_type(n) for n in names),
         ]
+        scale = c.query_scale if c.query_scale is not None else 1.0 / math.sqrt(dim)
         with Graph(
             "blend_attention_mlp", input_types=types, custom_extensions=[kernels_path()]
         ) as g:
-            h, q, q_pos, k, v, k_pos, wo, post_norm, gate_up, down = (v.tensor for v in g.inputs)
+            h, q, q_pos, k, v, k_pos, *layer = (v.tensor for v in g.inputs)
             s = q.shape[0]
             qg = ops.permute(ops.reshape(q, [s, kv_heads, group, dim]), [1, 2, 0, 3])
             qg = ops.reshape(qg, [kv_heads, group * s, dim])
             kt = ops.permute(k, [1, 2, 0])  # [kv_heads, dim, N]
-            scores = (qg @ kt) * (1.0 / math.sqrt(dim))  # [kv_heads, group * S, N]
+            scores = (qg @ kt) * scale  # [kv_heads, group * S, N]
             scores = ops.reshape(scores, [kv_heads, group, s, k.shape[0]])
             allowed = ops.unsqueeze(k_pos, 0) <= ops.unsqueeze(q_pos, 1)  # [S, N]
             masked = ops.where(allowed, scores, ops.constant(-1e30, F32, self.ref))
@@ -152,10 +170,8 @@ class LayerGraphs:
             out = probs @ ops.permute(v, [1, 0, 2])  # [kv_heads, group * S, dim]
             out = ops.permute(ops.reshape(out, [kv_heads, group, s, dim]), [2, 0, 1, 3])
             attn = ops.reshape(out, [s, heads * dim])
-            h = h + kvops.linear_packed(attn, wo, c.hidden_size)
-            x = ops.rms_norm(h, post_norm, epsilon=c.rms_norm_eps)
-            act = kvops.swiglu(kvops.linear_packed(x, gate_up, 2 * c.intermediate_size))
-            g.output(h + kvops.linear_packed(act, down, c.hidden_size))
+            blocks = self._blocks(names, layer)
+            g.output(blocks.mlp_residual(blocks.attention_residual(attn, h, 0), 0))
         return g
 
     def _rerotate_graph(self) -> Graph:
@@ -180,8 +196,8 @@ class LayerGraphs:
         ]
         with Graph("blend_head", input_types=types, custom_extensions=[kernels_path()]) as g:
             h, norm, head = (v.tensor for v in g.inputs)
-            x = ops.rms_norm(h, norm, epsilon=c.rms_norm_eps)
-            g.output(kvops.linear_packed(x, head, c.vocab_size))
+            blocks = self._blocks(["norm", "lm_head"], [norm, head])
+            g.output(blocks.logits(blocks.norm(h, "norm")))
         return g
 
     # ------------------------------------------------------------ running
@@ -193,9 +209,8 @@ class LayerGraphs:
         q, k, v = self._qkv.execute(
             _f32(h),
             _i64(positions),
-            weights[f"layers.{layer}.input_norm"],
-            weights[f"layers.{layer}.wqkv"],
             weights["rope.freqs_cis"],
+            *self._layer_inputs(weights, layer, self.QKV_WEIGHTS),
         )
         return _owned(q), _owned(k), _owned(v)
 
@@ -218,12 +233,18 @@ class LayerGraphs:
             _f32(k),
             _f32(v),
             _i64(key_positions),
-            weights[f"layers.{layer}.wo"],
-            weights[f"layers.{layer}.post_norm"],
-            weights[f"layers.{layer}.gate_up"],
-            weights[f"layers.{layer}.down"],
+            *self._layer_inputs(weights, layer, self.MLP_WEIGHTS),
         )
         return _owned(out)
+
+    def _layer_inputs(
+        self, weights: Mapping[str, Buffer], layer: int, suffixes: tuple[str, ...]
+    ) -> list[Buffer]:
+        """Layer ``layer``'s weights for the graph of layer-0 ``suffixes``."""
+        return [
+            weights[name.replace("layers.0.", f"layers.{layer}.", 1)]
+            for name in self._layer_weights(*suffixes)
+        ]
 
     def rerotate(
         self,
@@ -280,6 +301,19 @@ class LayerGraphs:
             Buffer.from_numpy(np.array(layer, dtype=np.uint32)),
         )
         written.to_numpy()
+
+
+def check_blendable(config: DecoderConfig) -> None:
+    """Refuses configurations CacheBlend's graphs do not compute.
+
+    Raises:
+        ValueError: For sliding windows or a RoPE per layer type.
+    """
+    if config.sliding or config.local_rope_theta is not None:
+        raise ValueError(
+            f"CacheBlend does not run {config.family} models: it attends over whole chunks and "
+            "re-rotates with one RoPE, but this model has sliding windows or a RoPE per layer type"
+        )
 
 
 def weight_buffers(weights: Mapping[str, np.ndarray]) -> dict[str, Buffer]:

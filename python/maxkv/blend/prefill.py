@@ -18,8 +18,8 @@ from max.driver import Device
 from max.engine import InferenceSession
 
 from ..cache.protocol import KVCacheManagerBase
-from ..models.config import LlamaConfig
-from ..models.llama import graph_weights
+from ..models.config import DecoderConfig
+from ..models.decoder import graph_weights
 from .executor import CacheBlendExecutor
 from .graphs import LayerGraphs, weight_buffers
 from .interfaces import BlendExecutor, BlendOutput, BlendRetrieverTask
@@ -30,14 +30,14 @@ class BlendedPrefill:
 
     Args:
         config: The model's configuration (a Llama).
-        weights: Its weights (Hugging Face names, as ``load_llama`` returns).
+        weights: Its weights (Hugging Face names, as ``load_model`` returns).
         session: The session (CPU) that compiles and runs the graphs.
         device: The CPU device.
     """
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: DecoderConfig,
         weights: Mapping[str, np.ndarray],
         session: InferenceSession,
         device: Device,
@@ -108,6 +108,8 @@ class BlendedPrefill:
         """Yields each layer's long ``(k, v)``; leaves the last token's hidden row."""
         c = self.config
         h = self._arrays["embed_tokens"][tokens]
+        if c.embed_scale is not None:
+            h = h * np.float32(c.embed_scale)
         positions = np.arange(len(tokens), dtype=np.int64)
         starts = np.array([0, len(tokens)], dtype=np.int64)
         self.tokens_per_layer = []

@@ -19,7 +19,7 @@ from max.engine import InferenceSession
 
 from ..cache.contiguous import ContinuousBatchingKVCacheManager
 from ..cache.protocol import KVCacheManagerBase
-from ..models.llama import LlamaModel, cache_params
+from ..models.decoder import DecoderModel, cache_params
 from ..models.resolve import LoadedModel
 from .prefill import BlendedPrefill
 from .store import CacheBlendRetriever, ChunkKVStore
@@ -117,7 +117,9 @@ class RagRunner:
             prefix_block_size=16,
         )
         self.prefix_manager.warm_up()
-        self.llama = LlamaModel(c, model.weights, self.manager, session, quantized=model.quantized)
+        self.decoder = DecoderModel(
+            c, model.weights, self.manager, session, quantized=model.quantized
+        )
         self.prefill = BlendedPrefill(c, model.weights, session, device)
         self.store = ChunkKVStore(self.prefill, store_dir)
         self.chunk_context = chunk_context
@@ -201,7 +203,7 @@ class RagRunner:
         (inputs,) = manager.fetch([seq], active_lengths=[len(tokens)])
         ids = np.array(tokens, dtype=np.int64)
         offsets = np.array([0, len(tokens)], dtype=np.uint32)
-        out = self.llama.execute(Buffer.from_numpy(ids), Buffer.from_numpy(offsets), inputs)
+        out = self.decoder.execute(Buffer.from_numpy(ids), Buffer.from_numpy(offsets), inputs)
         first = int(out.to_numpy()[0])
         manager.step({seq: len(tokens)}, tokens={seq: list(tokens)} if record else None)
         return first

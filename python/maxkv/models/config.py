@@ -1,27 +1,60 @@
-"""A Llama's configuration and weights, independent of any graph.
+"""A decoder's configuration and weights, independent of any graph and of any family.
 
-:class:`LlamaConfig` holds the fields of a Hugging Face ``LlamaConfig`` that
-maxkv's decoder uses; :func:`check_weights` validates a weight dict against
-it; :func:`default_llama` is the small seeded random model (``--model tiny``).
+:class:`DecoderConfig` holds what maxkv's decoder graph reads: the shapes and
+the options of the shared blocks (biases, per-head q/k norms, Gemma's norms,
+the MLP's activation, windows per layer, RoPE per layer type).  Each model
+family (:mod:`maxkv.models.families`) turns a checkpoint's ``config.json``
+into one.  :func:`check_weights` validates a weight dict against it;
+:func:`default_llama` is the small seeded random model (``--model tiny``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from ..graph.ops import MIN_WINDOW
+from .errors import ModelLoadError
+from .rope import RopeScaling, rope_table
 
-class ModelLoadError(ValueError):
-    """A model that cannot be loaded: missing or corrupt file, unsupported
-    architecture or tensor type, or a weight of the wrong shape."""
+__all__ = ["ACTIVATIONS", "DecoderConfig", "LlamaConfig", "ModelLoadError", "Weights"]
+
+#: The MLP activations: SwiGLU (``silu``) and GeGLU with tanh GELU (``gelu_tanh``).
+Activation = Literal["silu", "gelu_tanh"]
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """The fields of a Hugging Face ``LlamaConfig`` this decoder uses."""
+class DecoderConfig:
+    """A decoder-only transformer as maxkv's graph builds it.
+
+    The defaults are a Llama's: RMSNorm before attention and MLP, no
+    biases, SwiGLU, one RoPE, causal attention over every token.
+
+    Attributes beyond the shapes:
+        family: The registry name of the family that read it (messages).
+        rope_scaling: The RoPE scaling of the (full-attention) layers.
+        local_rope_theta: The RoPE base of the sliding-window layers (Gemma 3),
+            default RoPE; ``None``: every layer uses ``rope_theta`` and
+            ``rope_scaling``.
+        qkv_bias / o_bias: Biases on the Q, K, V / output projections.
+        qk_norm: An RMSNorm over each head of Q and of K before RoPE (Qwen 3,
+            Gemma 3), weights ``q_norm``/``k_norm`` of ``head_dim``.
+        norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1).
+        sandwich_norms: Gemma's layer: the attention output and the MLP output
+            are normalized before their residual add
+            (``post_attention_layernorm``, ``post_feedforward_layernorm``) and
+            the MLP input by ``pre_feedforward_layernorm``.
+        activation: :data:`ACTIVATIONS`.
+        embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
+        query_scale: The attention score scale (default ``head_dim ** -0.5``).
+        layer_windows: Per layer, its sliding window (tokens it attends to,
+            itself included) or ``None``; empty: no layer slides.
+        final_logit_softcap: Logits become ``cap * tanh(logits / cap)``.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -36,6 +69,19 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    family: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    local_rope_theta: float | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: Activation = "silu"
+    embed_scale: float | None = None
+    query_scale: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,55 +104,62 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"activation {self.activation!r} is not supported (maxkv implements "
+                f"{', '.join(ACTIVATIONS)})"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:
+            raise ModelLoadError(
+                f"{len(self.layer_windows)} layer windows for {self.num_hidden_layers} layers"
+            )
+        for i, window in enumerate(self.layer_windows):
+            if window is not None and (
+                not isinstance(window, int) or isinstance(window, bool) or window < MIN_WINDOW
+            ):
+                raise ModelLoadError(
+                    f"layer {i}'s sliding window {window!r} is not supported: maxkv's kernels "
+                    f"take windows of at least {MIN_WINDOW} tokens"
+                )
+        for name in ("embed_scale", "query_scale", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, float) and value > 0):
+                raise ModelLoadError(f"config {name} must be a positive float, got {value!r}")
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
-        """Reads a Hugging Face ``config.json`` dict.
+    def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
+        """Reads a Hugging Face ``config.json`` dict through the family its
+        ``architectures`` name (:func:`maxkv.models.family_for`).
 
         Raises:
-            ModelLoadError: If the architecture is not Llama, or a field this
-                decoder does not implement is set (RoPE scaling, biases).
+            ModelLoadError: If no family is registered for it, or it sets
+                something maxkv does not implement (naming it).
         """
-        architectures = config.get("architectures") or []
-        if config.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-            found = architectures or config.get("model_type")
-            raise ModelLoadError(
-                f"unsupported architecture {found!r}: maxkv's demo model is a Llama "
-                "(model_type 'llama', LlamaForCausalLM)"
-            )
-        if config.get("rope_scaling"):
-            raise ModelLoadError(f"rope_scaling {config['rope_scaling']!r} is not supported")
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise ModelLoadError(f"{flag}=True is not supported")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act {config['hidden_act']!r} is not supported")
-        try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            eos = config.get("eos_token_id")
-            eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-            bos = config.get("bos_token_id")
-            rope_theta = config.get("rope_theta")
-            if rope_theta is None:
-                rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            return cls(
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                eos_token_ids=eos_ids,
-                bos_token_id=None if bos is None else int(bos),
-            )
-        except KeyError as missing:
-            raise ModelLoadError(f"config.json lacks {missing}") from None
+        from .family import family_for
+
+        return family_for(config).read(config)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or ``None`` (every token)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def sliding(self) -> bool:
+        """Whether any layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with the local RoPE (``rope_local.freqs_cis``)."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def rope_tables(self) -> dict[str, np.ndarray]:
+        """The graph's RoPE tables, float32 ``[max_position_embeddings, head_dim]``:
+        ``rope.freqs_cis`` and, with a local RoPE, ``rope_local.freqs_cis``."""
+        n, d = self.max_position_embeddings, self.head_dim
+        tables = {"rope.freqs_cis": rope_table(d, n, self.rope_theta, self.rope_scaling)}
+        if self.local_rope_theta is not None:
+            tables["rope_local.freqs_cis"] = rope_table(d, n, self.local_rope_theta)
+        return tables
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face weight names and shapes of this configuration."""
@@ -131,13 +184,32 @@ class LlamaConfig:
                 p + "mlp.up_proj.weight": (self.intermediate_size, h),
                 p + "mlp.down_proj.weight": (h, self.intermediate_size),
             }
+            if self.qkv_bias:
+                shapes |= {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+            if self.sandwich_norms:
+                shapes |= {
+                    p + "pre_feedforward_layernorm.weight": (h,),
+                    p + "post_feedforward_layernorm.weight": (h,),
+                }
         return shapes
+
+
+#: The name maxkv's decoder configuration had when it ran Llamas only.
+LlamaConfig = DecoderConfig
 
 
 Weights = dict[str, np.ndarray]
 
 
-def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Weights:
+def check_weights(config: DecoderConfig, weights: Mapping[str, np.ndarray]) -> Weights:
     """Float32 copies of the weights ``config`` needs, with shapes checked.
 
     Raises:
@@ -156,13 +228,13 @@ def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Wei
     return checked
 
 
-def default_llama(seed: int = 0) -> tuple[LlamaConfig, Weights]:
+def default_llama(seed: int = 0) -> tuple[DecoderConfig, Weights]:
     """The built-in demo model: a small, deterministic, seeded random Llama.
 
     2 layers, hidden 64, 4 query heads over 2 key/value heads of 16, vocabulary
     256; no download needed.
     """
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -175,17 +247,18 @@ def default_llama(seed: int = 0) -> tuple[LlamaConfig, Weights]:
     return config, random_weights(config, seed)
 
 
-def random_weights(config: LlamaConfig, seed: int = 0) -> Weights:
+def random_weights(config: DecoderConfig, seed: int = 0) -> Weights:
     """Seeded random float32 weights for ``config`` (those of :func:`default_llama`).
 
-    Norm weights ``1 + 0.1 N(0, 1)``; matrices ``N(0, 1) / sqrt(in_features)``.
+    Norm weights ``1 + 0.1 N(0, 1)`` (``0.1 N(0, 1)`` where the norm adds 1
+    itself); biases ``0.1 N(0, 1)``; matrices ``N(0, 1) / sqrt(in_features)``.
     """
     rng = np.random.default_rng(seed)
     return check_weights(config, random_weight_recipe(config, rng.standard_normal))
 
 
 def random_weight_recipe(
-    config: LlamaConfig, normal: Callable[[tuple[int, ...]], Any]
+    config: DecoderConfig, normal: Callable[[tuple[int, ...]], Any]
 ) -> dict[str, Any]:
     """:func:`random_weights`' recipe over any array library: ``normal(shape)`` draws
     N(0, 1) samples (NumPy here; ``torch`` on a GPU for the benchmarks'
@@ -193,7 +266,9 @@ def random_weight_recipe(
     weights: dict[str, Any] = {}
     for name, shape in config.weight_shapes().items():
         if name.endswith("norm.weight"):
-            weights[name] = normal(shape) * 0.1 + 1.0
+            weights[name] = normal(shape) * 0.1 + (1.0 - config.norm_offset)
+        elif name.endswith(".bias"):
+            weights[name] = normal(shape) * 0.1
         else:
             weights[name] = normal(shape) * float(1.0 / np.sqrt(shape[-1]))
     return weights

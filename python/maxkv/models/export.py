@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LlamaConfig, ModelLoadError
+from .config import DecoderConfig, ModelLoadError
 from .resolve import LoadedModel
 
 
@@ -22,7 +22,7 @@ def hf_config_dict(model: LoadedModel) -> dict[str, object]:
     return llama_config_json(model.config)
 
 
-def llama_config_json(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str, object]:
+def llama_config_json(config: DecoderConfig, torch_dtype: str = "float32") -> dict[str, object]:
     """A Hugging Face ``config.json`` (``LlamaForCausalLM``) of ``config``, whose
     weights are stored as ``torch_dtype``."""
     c = config

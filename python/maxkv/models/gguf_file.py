@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..cpu.quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
-from .config import LlamaConfig, ModelLoadError, Weights, check_weights
+from .config import DecoderConfig, ModelLoadError, Weights, check_weights
 
 #: GGUF architectures this loader reads (Mistral-family files also say "llama").
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -112,8 +112,8 @@ def _field(fields: Mapping[str, Any], key: str, default: object = None) -> Any:
     return field.contents()
 
 
-def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> LlamaConfig:
-    """A :class:`LlamaConfig` from GGUF metadata (``general.architecture`` ``llama``).
+def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> DecoderConfig:
+    """A :class:`DecoderConfig` from GGUF metadata (``general.architecture`` ``llama``).
 
     Raises:
         ModelLoadError: On another architecture, missing keys, or features
@@ -152,7 +152,7 @@ def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> L
         vocab = len(tokens)
     eos = _field(fields, "tokenizer.ggml.eos_token_id")
     bos = _field(fields, "tokenizer.ggml.bos_token_id")
-    return LlamaConfig(
+    return DecoderConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -183,7 +183,7 @@ def open_gguf(path: Path) -> Any:
 
 def read_gguf(
     path: str | Path, progress: Callable[[int, int], None] | None = None
-) -> tuple[LlamaConfig, Weights]:
+) -> tuple[DecoderConfig, Weights]:
     """Loads a Llama GGUF file: configuration and float32 weights (Hugging Face names).
 
     Args:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import LlamaConfig
+from .config import DecoderConfig
 
 
 def transformers_available() -> bool:
@@ -21,7 +21,7 @@ def transformers_available() -> bool:
     return True
 
 
-def hf_llama(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> object:
+def hf_llama(config: DecoderConfig, weights: Mapping[str, np.ndarray]) -> object:
     """A ``transformers.LlamaForCausalLM`` holding ``weights`` (float32, CPU, eval)."""
     import torch
     from transformers import LlamaConfig as HFLlamaConfig

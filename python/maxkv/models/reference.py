@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .config import LlamaConfig
+from .config import DecoderConfig
 
 
 def greedy_reference(
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: Mapping[str, np.ndarray],
     prompt: Sequence[int],
     max_new_tokens: int,
@@ -33,7 +33,7 @@ def greedy_reference(
 
 
 def logits_reference(
-    config: LlamaConfig, weights: Mapping[str, np.ndarray], tokens: Sequence[int]
+    config: DecoderConfig, weights: Mapping[str, np.ndarray], tokens: Sequence[int]
 ) -> np.ndarray:
     """float64 logits ``[vocab]`` of the last of ``tokens`` (the forward pass of
     :func:`greedy_reference`)."""
@@ -41,7 +41,9 @@ def logits_reference(
     return _last_logits(config, w, list(tokens))
 
 
-def _last_logits(config: LlamaConfig, w: Mapping[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+def _last_logits(
+    config: DecoderConfig, w: Mapping[str, np.ndarray], tokens: list[int]
+) -> np.ndarray:
     d, n_heads, n_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     inv_freq = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cpu.quantized import BlockQuantized
-from .config import LlamaConfig, Weights, default_llama
+from .config import DecoderConfig, Weights, default_llama
 from .fetch import KNOWN_MODELS, fetch
 from .gguf_file import read_gguf_quantized
-from .loading import load_llama, model_file
+from .loading import load_model, model_file
 from .tokenizer import ChatTokenizer, load_tokenizer
 
 #: The built-in random model: no download, no tokenizer (token-id prompts only).
@@ -21,11 +21,11 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass
 class LoadedModel:
-    """A model ready for :class:`~maxkv.models.LlamaModel`."""
+    """A model ready for :class:`~maxkv.models.DecoderModel`."""
 
     #: What the user asked for: a known name, ``"tiny"`` or a path.
     spec: str
-    config: LlamaConfig
+    config: DecoderConfig
     weights: Weights
     #: ``None`` for ``tiny``.
     tokenizer: ChatTokenizer | None
@@ -33,7 +33,7 @@ class LoadedModel:
     path: Path | None
     #: Block-quantized copies of the weights as a GGUF file stores them
     #: (:func:`~maxkv.models.gguf_file.read_gguf_quantized`; empty otherwise):
-    #: pass them to :class:`~maxkv.models.LlamaModel` for faster small steps.
+    #: pass them to :class:`~maxkv.models.DecoderModel` for faster small steps.
     quantized: dict[str, BlockQuantized] = field(default_factory=dict)
 
     @property
@@ -77,7 +77,7 @@ def open_model(
             on first use), ``"tiny"``, a Hugging Face directory, a ``.gguf``
             file or a directory holding one.
         progress: Show fetch progress.
-        on_tensor: Passed to :func:`~maxkv.models.load_llama` (GGUF progress).
+        on_tensor: Passed to :func:`~maxkv.models.load_model` (GGUF progress).
 
     Raises:
         ModelFetchError: If a known model cannot be fetched.
@@ -87,7 +87,7 @@ def open_model(
     if path is None:
         config, weights = default_llama()
         return LoadedModel(TINY, config, weights, None, None)
-    config, weights = load_llama(path, on_tensor)
+    config, weights = load_model(path, on_tensor)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     source = model_file(path)
     quantized = read_gguf_quantized(source) if source.is_file() else {}

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cachedir import cache_dir
-from .config import LlamaConfig, ModelLoadError
+from .config import DecoderConfig, ModelLoadError
 from .loading import model_file
 
 _lock = threading.Lock()
@@ -37,7 +37,7 @@ class ChatTokenizer:
         config: The model's configuration (vocabulary size, EOS ids).
     """
 
-    def __init__(self, tokenizer: Any, config: LlamaConfig) -> None:
+    def __init__(self, tokenizer: Any, config: DecoderConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
 
@@ -79,8 +79,8 @@ class ChatTokenizer:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
-def load_tokenizer(path: str | Path, config: LlamaConfig) -> ChatTokenizer:
-    """The tokenizer of the model at ``path`` (as :func:`~maxkv.models.load_llama` takes it).
+def load_tokenizer(path: str | Path, config: DecoderConfig) -> ChatTokenizer:
+    """The tokenizer of the model at ``path`` (as :func:`~maxkv.models.load_model` takes it).
 
     Raises:
         ModelLoadError: If transformers is not installed, or the model has no

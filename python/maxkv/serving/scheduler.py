@@ -1,4 +1,4 @@
-"""Continuous batching with multistep decoding over a :class:`LlamaModel`.
+"""Continuous batching with multistep decoding over a :class:`DecoderModel`.
 
 One *round*:
 
@@ -56,7 +56,7 @@ from ..cache.paged import PagedKVCacheManager, SwappedSequence
 from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
 from ..errors import CacheFullError
-from ..models.llama import LlamaModel
+from ..models.decoder import DecoderModel
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, num_steps: int) -> int:
@@ -186,7 +186,7 @@ class ContinuousBatchingScheduler:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         manager: KVCacheManagerBase,
         max_batch_size: int,
         num_steps: int = 1,

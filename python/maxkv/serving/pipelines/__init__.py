@@ -1,11 +1,13 @@
 """maxkv inside MAX's pipelines: ``max generate`` and ``max serve`` on maxkv's cache.
 
 A MAX *custom architecture*: pass :data:`CUSTOM_ARCHITECTURES` to
-``--custom-architectures`` and Llama checkpoints (``LlamaForCausalLM``) run on
-maxkv's graph and cache inside MAX's own pipeline, tokenizer, sampler and
-schedulers (chunked prefill and preemption included).  The cache is paged with
-prefix caching by page sharing unless ``MAXKV_CACHE=contiguous``
-(:data:`CACHE_ENV`, see :mod:`maxkv.serving.pipelines.model`)::
+``--custom-architectures`` and checkpoints of every family maxkv registers
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``) run on maxkv's graph and cache
+inside MAX's own pipeline, tokenizer, sampler and schedulers (chunked prefill
+and preemption included).  The cache is paged with prefix caching by page
+sharing unless ``MAXKV_CACHE=contiguous`` (:data:`CACHE_ENV`, see
+:mod:`maxkv.serving.pipelines.model`)::
 
     MAXKV_ARCH=$(python -c "import maxkv.pipelines as p; print(p.CUSTOM_ARCHITECTURES)")
     max generate --custom-architectures "$MAXKV_ARCH" --model-path DIR --devices cpu \\
@@ -31,7 +33,7 @@ from .model import (  # noqa: E402
     CACHE_ENV,
     CACHE_KINDS,
     CacheDoesNotFitError,
-    MaxkvLlamaPipelineModel,
+    MaxkvPipelineModel,
     cache_kind,
 )
 
@@ -50,7 +52,7 @@ __all__ = [
     "SUPPORTED_MAX",
     "CacheDoesNotFitError",
     "MaxkvKVManager",
-    "MaxkvLlamaPipelineModel",
+    "MaxkvPipelineModel",
     "MaxkvTextGenerationPipeline",
     "UnsupportedMaxVersionError",
     "cache_kind",

@@ -1,8 +1,11 @@
-"""The custom architecture MAX loads with ``--custom-architectures``.
+"""The custom architectures MAX loads with ``--custom-architectures``.
 
-``LlamaForCausalLM`` checkpoints run on :class:`MaxkvLlamaPipelineModel`
-inside :class:`MaxkvTextGenerationPipeline`: MAX's own text-generation
-pipeline, tokenizer, sampler and schedulers, with maxkv's cache and graph.
+Every architecture of :func:`maxkv.models.registered_architectures`
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``) runs on
+:class:`MaxkvPipelineModel` inside :class:`MaxkvTextGenerationPipeline`:
+MAX's own text-generation pipeline, tokenizer, sampler and schedulers, with
+maxkv's cache and graph.
 """
 
 from __future__ import annotations
@@ -12,16 +15,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from max.graph.weights import WeightsFormat
-from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.context import TextContext
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.lib.pipeline_variants import text_generation
 from max.pipelines.modeling.types import PipelineTask
 
+from ...models.family import registered_architectures
 from .api import MaxkvTextTokenizer
 from .kv_adapter import MaxkvKVManager
-from .model import MaxkvLlamaPipelineModel
+from .model import MaxkvArchConfig, MaxkvPipelineModel
 
 
 @contextmanager
@@ -46,7 +49,7 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         def load_maxkv_manager(**load_kwargs: Any) -> MaxkvKVManager:
             model = self._pipeline_model
-            if not isinstance(model, MaxkvLlamaPipelineModel):
+            if not isinstance(model, MaxkvPipelineModel):
                 raise TypeError(f"expected a maxkv pipeline model, got {type(model).__name__}")
             return MaxkvKVManager(model.maxkv_manager, load_kwargs["params"])
 
@@ -54,22 +57,25 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
             super().__init__(*args, **kwargs)
 
 
-maxkv_llama_arch = SupportedArchitecture(
-    name="LlamaForCausalLM",
-    example_repo_ids=[],
-    default_encoding="float32",
-    supported_encodings={"float32"},
-    pipeline_model=MaxkvLlamaPipelineModel,
-    tokenizer=MaxkvTextTokenizer,
-    context_type=TextContext,
-    default_weights_format=WeightsFormat.safetensors,
-    task=PipelineTask.TEXT_GENERATION,
-    config=Llama3Config,
-    memory_planner=PagedMemoryPlanner,
-    pipeline_cls=MaxkvTextGenerationPipeline,
-    supports_overlap_scheduler=False,
-    supports_device_graph_capture=False,
-)
+def maxkv_architecture(name: str) -> SupportedArchitecture:
+    """MAX's registration of the Hugging Face architecture ``name`` on maxkv."""
+    return SupportedArchitecture(
+        name=name,
+        example_repo_ids=[],
+        default_encoding="float32",
+        supported_encodings={"float32"},
+        pipeline_model=MaxkvPipelineModel,
+        tokenizer=MaxkvTextTokenizer,
+        context_type=TextContext,
+        default_weights_format=WeightsFormat.safetensors,
+        task=PipelineTask.TEXT_GENERATION,
+        config=MaxkvArchConfig,
+        memory_planner=PagedMemoryPlanner,
+        pipeline_cls=MaxkvTextGenerationPipeline,
+        supports_overlap_scheduler=False,
+        supports_device_graph_capture=False,
+    )
 
-#: What ``--custom-architectures`` registers (overriding MAX's own Llama).
-ARCHITECTURES = [maxkv_llama_arch]
+
+#: What ``--custom-architectures`` registers (overriding MAX's own of the same names).
+ARCHITECTURES = [maxkv_architecture(name) for name in registered_architectures()]

@@ -1,6 +1,6 @@
 """maxkv's Llama as a MAX ``PipelineModelWithKVCache``.
 
-The model graph is :func:`maxkv.models.llama.build_llama_graph` (the same
+The model graph is :func:`maxkv.models.decoder.build_decoder_graph` (the same
 code the demo runs) with ``output="logits"``: the float32 logits of each
 sequence's last token, which MAX's sampler turns into the next token (and
 MAX's log-probability graph into ``logprobs``).  The cache is chosen by the
@@ -52,9 +52,9 @@ from ...cache.paged import PagedKVCacheManager
 from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
 from ...cachedir import cache_dir
+from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
-from ...models.llama import LlamaModel, cache_params
-from ...models.loading import load_llama, model_file
+from ...models.loading import load_model, model_file
 from ...tiers.remote import redact_url
 from ...tiers.store import TierConfig
 
@@ -109,7 +109,7 @@ def cache_kind() -> str:
 
 
 @dataclass(kw_only=True)
-class MaxkvLlamaInputs(ModelInputs):
+class MaxkvInputs(ModelInputs):
     """One ragged step: token ids, row offsets, and maxkv's cache inputs."""
 
     tokens: Buffer
@@ -123,8 +123,24 @@ class MaxkvLlamaInputs(ModelInputs):
         return (self.tokens, self.input_row_offsets, *kv)
 
 
-class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
-    """A Llama checkpoint on maxkv's graph and cache, for MAX's text-generation pipeline.
+class MaxkvArchConfig(Llama3Config):
+    """MAX's per-architecture configuration for maxkv's families.
+
+    MAX reads the cache's shape from it (``construct_kv_params``: KV heads,
+    ``head_dim``, layers, which every family's ``config.json`` names alike).
+    ``initialize`` builds MAX's own Llama graph settings, which maxkv's graph
+    does not read, and refuses configs MAX's Llama does not take (Gemma 3's RoPE per
+    layer type): maxkv reads the checkpoint itself (:func:`maxkv.models.load_model`).
+    """
+
+    @classmethod
+    def initialize(cls, pipeline_config: Any, max_seq_len: int | None = None) -> Any:
+        return None
+
+
+class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
+    """A checkpoint of any registered family on maxkv's graph and cache, for MAX's
+    text-generation pipeline.
 
     Reads the checkpoint at ``--model-path`` with maxkv's loader (a Hugging
     Face directory with safetensors, or a GGUF file in the directory), runs
@@ -133,8 +149,8 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
     them into ``logprobs``).
     """
 
-    #: MAX's Llama configuration drives the memory plan and ``kv_params``.
-    model_config_cls = Llama3Config
+    #: Drives MAX's memory plan and ``kv_params``.
+    model_config_cls = MaxkvArchConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -151,7 +167,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             )
         forward_maxkv_logs()
         path = checkpoint_path(self.pipeline_config)
-        config, weights = load_llama(path)
+        config, weights = load_model(path)
         self.config = config
         params = cache_params(config)
         session = self._session(args, kwargs)
@@ -170,7 +186,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
-        self.llama = LlamaModel(
+        self.decoder = DecoderModel(
             config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
         )
         logger.info("maxkv: %s, %s", path, describe(self.maxkv_manager))
@@ -184,7 +200,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         replica_batches: Sequence[Sequence[TextContext]],
         kv_cache_inputs: Any = None,
         return_n_logits: int = 1,
-    ) -> MaxkvLlamaInputs:
+    ) -> MaxkvInputs:
         if return_n_logits != 1:
             raise ValueError("maxkv.pipelines returns one logit row per sequence")
         if len(replica_batches) != 1:
@@ -197,7 +213,7 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         else:
             tokens, lengths = np.zeros(0, np.int64), []
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
-        return MaxkvLlamaInputs(
+        return MaxkvInputs(
             tokens=Buffer.from_numpy(tokens.astype(np.int64)).to(device),
             input_row_offsets=Buffer.from_numpy(offsets).to(device),
             kv_cache_inputs=kv_cache_inputs,
@@ -205,12 +221,12 @@ class MaxkvLlamaPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
         """One model step; the logits of each sequence's last token, float32 ``[batch, vocab]``."""
-        assert isinstance(model_inputs, MaxkvLlamaInputs)
+        assert isinstance(model_inputs, MaxkvInputs)
         if not model_inputs.kv_cache_inputs:  # an empty batch: nothing to run
             empty = Buffer.from_numpy(np.zeros((0, self.config.vocab_size), np.float32))
             return ModelOutputs(logits=empty, next_token_logits=empty)
         (kv,) = model_inputs.kv_cache_inputs
-        logits = self.llama.execute(model_inputs.tokens, model_inputs.input_row_offsets, kv)
+        logits = self.decoder.execute(model_inputs.tokens, model_inputs.input_row_offsets, kv)
         return ModelOutputs(logits=logits, next_token_logits=logits)
 
 

@@ -1,7 +1,12 @@
-"""A Llama-style decoder as a MAX graph over maxkv's continuous-batching cache.
+"""The decoder of every family as a MAX graph over maxkv's continuous-batching cache.
 
-Embedding, RMSNorm, half-split RoPE, grouped-query attention through
-:mod:`maxkv.ops`, SwiGLU MLP, tied or untied LM head, greedy next token.
+Built from shared blocks whose options a :class:`~maxkv.models.config.DecoderConfig`
+sets (:mod:`maxkv.models.family`): embedding (scaled or not), RMSNorm
+(``w`` or ``1 + w``), QKV projection (biased or not; per-head q/k norms),
+half-split RoPE from a table per layer type, grouped-query attention through
+:mod:`maxkv.ops` (causal, or a sliding window per layer; a query scale),
+pre-norm or Gemma's sandwich residuals, SwiGLU or GeGLU MLP, tied or untied
+LM head (soft-capped or not), greedy next token.
 
 The compiled graph takes the weights as named graph weights, so one compiled
 graph serves every model of the same shapes.  The model computes in the cache's
@@ -18,7 +23,7 @@ import numpy as np
 from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
+from max.graph import DeviceRef, Graph, TensorType, Weight, ops
 
 from .. import ops as kvops
 from ..cache.params import KVCacheParams
@@ -29,10 +34,11 @@ from ..cpu.quantized import BlockQuantized
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..kernels import kernels_path
-from .config import LlamaConfig, check_weights
+from .blocks import Blocks
+from .config import DecoderConfig, check_weights
 
 
-def cache_params(config: LlamaConfig, dtype: DType = DType.float32) -> KVCacheParams:
+def cache_params(config: DecoderConfig, dtype: DType = DType.float32) -> KVCacheParams:
     """The :class:`KVCacheParams` a manager for this model needs (``dtype``: the
     model's, one of :data:`MODEL_DTYPES`)."""
     return KVCacheParams(dtype, config.num_key_value_heads, config.head_dim)
@@ -68,7 +74,7 @@ OutputKind = Literal["tokens", "logits"]
 OUTPUT_KINDS: tuple[str, ...] = ("tokens", "logits")
 
 
-def matrix_sources(config: LlamaConfig, *, packed: bool) -> dict[str, list[str]]:
+def matrix_sources(config: DecoderConfig, *, packed: bool) -> dict[str, list[str]]:
     """Graph matrix name -> the Hugging Face weights stacked (by rows) into it.
 
     Per layer ``wqkv`` (Q, K, V), ``wo``, ``gate_up`` (gate, up) and
@@ -88,25 +94,29 @@ def matrix_sources(config: LlamaConfig, *, packed: bool) -> dict[str, list[str]]
     return sources
 
 
-def vector_sources(config: LlamaConfig) -> dict[str, str]:
-    """Graph weight name -> the Hugging Face weight it is, for the embedding and the
-    norms (the weights :func:`matrix_sources` does not stack; the RoPE table is
-    computed)."""
+def vector_sources(config: DecoderConfig) -> dict[str, str]:
+    """Graph weight name -> the Hugging Face weight it is, for the embedding, the
+    norms and the output bias (the weights :func:`matrix_sources` does not
+    stack; the QKV bias is stacked by :func:`graph_weights`, the RoPE tables
+    are computed)."""
     sources = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         sources[f"layers.{i}.input_norm"] = p + "input_layernorm.weight"
         sources[f"layers.{i}.post_norm"] = p + "post_attention_layernorm.weight"
+        if config.o_bias:
+            sources[f"layers.{i}.o_bias"] = p + "self_attn.o_proj.bias"
+        if config.qk_norm:
+            sources[f"layers.{i}.q_norm"] = p + "self_attn.q_norm.weight"
+            sources[f"layers.{i}.k_norm"] = p + "self_attn.k_norm.weight"
+        if config.sandwich_norms:
+            sources[f"layers.{i}.pre_ff_norm"] = p + "pre_feedforward_layernorm.weight"
+            sources[f"layers.{i}.post_ff_norm"] = p + "post_feedforward_layernorm.weight"
     return sources
 
 
-def rope_table(config: LlamaConfig) -> np.ndarray:
-    """The ``rope.freqs_cis`` graph weight: float32 ``[max_positions, head_dim]``."""
-    return kvops.rope_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta)
-
-
 def graph_weights(
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: Mapping[str, np.ndarray],
     *,
     packed: bool,
@@ -114,7 +124,7 @@ def graph_weights(
     greedy_head: bool = False,
     dtype: DType = DType.float32,
 ) -> dict[str, np.ndarray | Buffer]:
-    """The weights as :func:`build_llama_graph` names and lays them out.
+    """The weights as :func:`build_decoder_graph` names and lays them out.
 
     Per layer the Q, K and V projections are concatenated into one ``wqkv``
     ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` and the gate and up
@@ -147,8 +157,12 @@ def graph_weights(
     if dtype != DType.float32 and packed:
         raise ValueError("packed weights are float32")
     w = check_weights(config, weights)
-    out: dict[str, np.ndarray] = {"rope.freqs_cis": rope_table(config)}
+    out: dict[str, np.ndarray] = config.rope_tables()
     out |= {name: w[source] for name, source in vector_sources(config).items()}
+    if config.qkv_bias:
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            out[f"layers.{i}.qkv_bias"] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
     quant_bits: dict[str, int] = {}
     for name, parts in matrix_sources(config, packed=packed).items():
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
@@ -185,7 +199,7 @@ def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     quantized copies, float32 for the RoPE table and the greedy head's scales."""
     if name.endswith((".q", ".greedy_q")):
         return DType.uint8
-    if name in ("rope.freqs_cis", "lm_head.greedy_info") or name.endswith(".sm"):
+    if name.endswith(("freqs_cis", ".sm")) or name == "lm_head.greedy_info":
         return DType.float32
     return dtype
 
@@ -200,7 +214,7 @@ def quantized_bits(registry: Mapping[str, Any]) -> dict[str, int]:
 
 
 def graph_weight_shapes(
-    config: LlamaConfig,
+    config: DecoderConfig,
     *,
     packed: bool,
     quant_bits: Mapping[str, int] | None = None,
@@ -223,10 +237,9 @@ def graph_weight_shapes(
         return (out_features, in_features)
 
     shapes: dict[str, tuple[int, ...]] = {
-        "rope.freqs_cis": (c.max_position_embeddings, c.head_dim),
-        "embed_tokens": (c.vocab_size, c.hidden_size),
-        "norm": (c.hidden_size,),
+        name: (c.max_position_embeddings, c.head_dim) for name in _rope_names(c)
     }
+    shapes |= {"embed_tokens": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,)}
     if packed or not c.tie_word_embeddings:
         shapes["lm_head"] = matrix(c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
@@ -238,6 +251,17 @@ def graph_weight_shapes(
             f"layers.{i}.gate_up": matrix(2 * c.intermediate_size, c.hidden_size),
             f"layers.{i}.down": matrix(c.hidden_size, c.intermediate_size),
         }
+        if c.qkv_bias:
+            shapes[f"layers.{i}.qkv_bias"] = (qkv,)
+        if c.o_bias:
+            shapes[f"layers.{i}.o_bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes |= {f"layers.{i}.q_norm": (c.head_dim,), f"layers.{i}.k_norm": (c.head_dim,)}
+        if c.sandwich_norms:
+            shapes |= {
+                f"layers.{i}.pre_ff_norm": (c.hidden_size,),
+                f"layers.{i}.post_ff_norm": (c.hidden_size,),
+            }
     for name, bits in (quant_bits or {}).items():
         tiles, _, k, _ = shapes[name]
         shapes[f"{name}.q"] = (tiles, k, kvops.PACKED_TILE * bits // 8)
@@ -250,8 +274,14 @@ def graph_weight_shapes(
     return shapes
 
 
-def build_llama_graph(
-    config: LlamaConfig,
+def _rope_names(config: DecoderConfig) -> list[str]:
+    """The graph's RoPE table weights (:meth:`DecoderConfig.rope_tables`)."""
+    local = ["rope_local.freqs_cis"] if config.local_rope_theta is not None else []
+    return ["rope.freqs_cis", *local]
+
+
+def build_decoder_graph(
+    config: DecoderConfig,
     params: KVCacheParams,
     cache_types: Sequence[TensorType],
     make_collection: Callable[..., KVCacheCollection],
@@ -289,67 +319,59 @@ def build_llama_graph(
         raise ValueError("greedy_head needs a CPU graph that outputs tokens")
     shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head)
 
+    weights: dict[str, Weight] = {}
+
     def weight(name: str) -> Weight:
-        return Weight(name, _weight_dtype(name, dtype), shapes[name], device)
+        """The graph weight ``name``, made once per graph (layers share the RoPE tables)."""
+        if name not in weights:
+            weights[name] = Weight(name, _weight_dtype(name, dtype), shapes[name], device)
+        return weights[name]
 
-    def linear(
-        x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
-    ) -> TensorValue:
-        """``x @ w.T`` (plus ``residual``) for the graph weight ``name`` (``[out_features, in]``
-        unpacked); packed, the add happens in the matmul's epilogue."""
-        if packed:
-            quantized = (weight(f"{name}.q"), weight(f"{name}.sm")) if name in quant_bits else None
-            return kvops.linear_packed(x, weight(name), out_features, quantized, residual=residual)
-        y = x @ weight(name).T
-        return y if residual is None else residual + y
-
+    blocks = Blocks(cfg, weight, packed, quant_bits)
+    if not packed and (cfg.qkv_bias or cfg.qk_norm):
+        raise ValueError(
+            f"{cfg.family}: a QKV bias or q/k norms run on the CPU in float32 only (maxkv's "
+            "packed kernels store K and V after them)"
+        )
     input_types = [
         TensorType(DType.int64, ["total_tokens"], device),
         TensorType(DType.uint32, ["input_row_offsets_len"], device),
         *cache_types,
     ]
-    q_width = cfg.num_attention_heads * cfg.head_dim
-    qkv_width = q_width + 2 * cfg.num_key_value_heads * cfg.head_dim
-    inter, hidden = cfg.intermediate_size, cfg.hidden_size
+    heads, head_dim = cfg.num_attention_heads, cfg.head_dim
     with Graph(
-        f"maxkv_llama_{output}", input_types=input_types, custom_extensions=[kernels_path()]
+        f"maxkv_{cfg.family}_{output}", input_types=input_types, custom_extensions=[kernels_path()]
     ) as g:
         tokens, offsets, *cache = (value.tensor for value in g.inputs)
         kv = make_collection(*cache)
-        freqs = weight("rope.freqs_cis")
-        embed = weight("embed_tokens")
-        h = ops.gather(embed, tokens, axis=0)
+        h = blocks.embed(tokens)
         # Each sequence's last token: the only row the head reads.
         last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
         for i in range(cfg.num_hidden_layers):
-            x = ops.rms_norm(h, weight(f"layers.{i}.input_norm"), epsilon=cfg.rms_norm_eps)
+            x = blocks.norm(h, f"layers.{i}.input_norm")
+            freqs = weight("rope_local.freqs_cis" if cfg.uses_local_rope(i) else "rope.freqs_cis")
             if packed:  # projection, then K and V stored and Q and K rotated in one pass
-                qkv = linear(x, f"layers.{i}.wqkv", qkv_width)
-                q = kvops.store_kv_ragged(params, qkv, offsets, kv, i, freqs_cis=freqs)
-                q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
+                q = kvops.store_kv_ragged(params, blocks.qkv(x, i), offsets, kv, i, freqs_cis=freqs)
+                q = q.reshape(["total_tokens", heads, head_dim])
             else:
                 q = kvops.fused_qkv_ragged_matmul(
                     params, x, offsets, weight(f"layers.{i}.wqkv"), kv, i
                 )
-                q = q.reshape(["total_tokens", cfg.num_attention_heads, cfg.head_dim])
+                q = q.reshape(["total_tokens", heads, head_dim])
                 q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
-            attn = kvops.flash_attention_ragged(params, q, offsets, kv, i)
-            attn = attn.reshape(["total_tokens", q_width])
+            attn = kvops.flash_attention_ragged(
+                params, q, offsets, kv, i, scale=cfg.query_scale, window=cfg.window(i)
+            )
+            attn = attn.reshape(["total_tokens", heads * head_dim])
             if i == cfg.num_hidden_layers - 1:
                 # Every layer's K and V are stored by now, so past the last
                 # attention only the rows the head reads matter: the output
                 # projection and the MLP of the last layer skip the prompt's
                 # other tokens (row-wise ops, so the same values).
                 attn, h = ops.gather(attn, last, axis=0), ops.gather(h, last, axis=0)
-            h = linear(attn, f"layers.{i}.wo", hidden, h)
-            x = ops.rms_norm(h, weight(f"layers.{i}.post_norm"), epsilon=cfg.rms_norm_eps)
-            gate_up = linear(x, f"layers.{i}.gate_up", 2 * inter)
-            if packed:
-                act = kvops.swiglu(gate_up)
-            else:
-                act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            h = linear(act, f"layers.{i}.down", hidden, h)
-        h_last = ops.rms_norm(h, weight("norm"), epsilon=cfg.rms_norm_eps)
+            h = blocks.attention_residual(attn, h, i)
+            h = blocks.mlp_residual(h, i)
+        h_last = blocks.norm(h, "norm")
         if greedy_head:
             g.output(
                 kvops.greedy_head(
@@ -361,14 +383,11 @@ def build_llama_graph(
                 )
             )
             return g
-        if packed or not cfg.tie_word_embeddings:
-            logits = linear(h_last, "lm_head", cfg.vocab_size)
-        else:
-            logits = h_last @ embed.T
+        logits = blocks.logits(h_last)
         if output == "tokens":
             g.output(ops.reshape(ops.argmax(logits, axis=-1), ["batch_size"]))
         else:
-            g.output(logits if dtype == DType.float32 else ops.cast(logits, DType.float32))
+            g.output(logits)
     return g
 
 
@@ -387,7 +406,7 @@ def _check_prepared(
     return prepared
 
 
-class LlamaModel:
+class DecoderModel:
     """The compiled decoder: one step of a ragged batch over a maxkv cache.
 
     Built from a cache's :class:`~maxkv.cache.spec.CacheSpec` (or a manager,
@@ -437,7 +456,7 @@ class LlamaModel:
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: DecoderConfig,
         weights: Mapping[str, np.ndarray] | None,
         cache: CacheSpec | KVCacheManagerBase,
         session: InferenceSession,
@@ -465,7 +484,7 @@ class LlamaModel:
             )
         dtype = spec.params.dtype
         if dtype not in MODEL_DTYPES:
-            raise ValueError(f"maxkv's Llama computes in one of {MODEL_DTYPES}, not {dtype}")
+            raise ValueError(f"maxkv's decoder computes in one of {MODEL_DTYPES}, not {dtype}")
         if (weights is None) == (prepared is None):
             raise ValueError("give the model exactly one of weights and prepared")
         self.config = config
@@ -499,7 +518,7 @@ class LlamaModel:
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
         #: Matrix name -> bits of the quantized copy small steps read.
         self.quant_bits = quantized_bits(registry)
-        graph = build_llama_graph(
+        graph = build_decoder_graph(
             config,
             params,
             spec.input_symbols([ref])[0],
@@ -520,3 +539,7 @@ class LlamaModel:
         """Runs one step; returns next tokens or last-token logits (see ``output``)."""
         (result,) = self._model.execute(tokens, input_row_offsets, *kv)
         return result
+
+
+#: The name :class:`DecoderModel` had when maxkv ran Llamas only.
+LlamaModel = DecoderModel

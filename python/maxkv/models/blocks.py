@@ -1,0 +1,147 @@
+"""The shared blocks every family's layer is built from, as MAX graph functions.
+
+:class:`Blocks` binds a :class:`~maxkv.models.config.DecoderConfig` to a way of
+reading graph weights (named as :func:`maxkv.models.decoder.graph_weights`
+names them: graph weights in the decoder, graph inputs in CacheBlend's
+layer graphs) and to the matmul of the device (maxkv's packed float32 kernels
+on the CPU, MAX's matmul otherwise).  Shapes: ``T`` is the step's token
+count, ``H`` the hidden size; values are in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from max.dtype import DType
+from max.graph import TensorValue, ops
+
+from .. import ops as kvops
+from .config import DecoderConfig
+
+#: Reads the graph weight of a name (:func:`maxkv.models.decoder.graph_weight_shapes`).
+WeightFn = Callable[[str], TensorValue]
+
+
+class Blocks:
+    """The layer's blocks for one configuration, weight source and matmul.
+
+    Args:
+        config: The decoder's configuration (its block options).
+        weight: The graph weight of a name.
+        packed: Matrices are packed for :func:`maxkv.ops.linear_packed` (CPU
+            float32); otherwise ``[out, in]`` for ``x @ w.T``.
+        quant_bits: Matrices with a quantized copy (``<name>.q``, ``.sm``).
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        weight: WeightFn,
+        packed: bool,
+        quant_bits: Mapping[str, int] | None = None,
+    ) -> None:
+        self.config = config
+        self.weight = weight
+        self.packed = packed
+        self.quant_bits = dict(quant_bits or {})
+        c = config
+        self.q_width = c.num_attention_heads * c.head_dim
+        self.kv_width = c.num_key_value_heads * c.head_dim
+
+    def linear(
+        self, x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
+    ) -> TensorValue:
+        """``x [T, in] @ w.T`` (plus ``residual [T, out]``) for the matrix ``name``;
+        packed, the add happens in the matmul's epilogue."""
+        w = self.weight(name)
+        if self.packed:
+            bits = self.quant_bits
+            quantized = (
+                (self.weight(f"{name}.q"), self.weight(f"{name}.sm")) if name in bits else None
+            )
+            return kvops.linear_packed(x, w, out_features, quantized, residual=residual)
+        y = x @ w.T
+        return y if residual is None else residual + y
+
+    def norm(self, x: TensorValue, name: str) -> TensorValue:
+        """RMSNorm over the last dim of ``x`` with weight ``name`` (times
+        ``norm_offset + w``: Gemma's ``1 + w``)."""
+        c = self.config
+        return ops.rms_norm(
+            x, self.weight(name), epsilon=c.rms_norm_eps, weight_offset=c.norm_offset
+        )
+
+    def embed(self, tokens: TensorValue) -> TensorValue:
+        """int64 ``[T]`` -> ``[T, H]``: the embedding rows, scaled by ``embed_scale``."""
+        h = ops.gather(self.weight("embed_tokens"), tokens, axis=0)
+        scale = self.config.embed_scale
+        if scale is not None:
+            h = h * ops.constant(scale, h.dtype, device=h.device)
+        return h
+
+    def qkv(self, x: TensorValue, layer: int) -> TensorValue:
+        """Normed input ``[T, H]`` -> ``[T, (heads + 2 kv_heads) * head_dim]``: the Q, K, V
+        projection with its bias, and each Q and K head RMS-normed (``qk_norm``).
+        RoPE is not applied (the cache op rotates as it stores)."""
+        c = self.config
+        qkv = self.linear(x, f"layers.{layer}.wqkv", self.q_width + 2 * self.kv_width)
+        if c.qkv_bias:
+            qkv = qkv + self.weight(f"layers.{layer}.qkv_bias")
+        if not c.qk_norm:
+            return qkv
+        q = ops.reshape(qkv[:, : self.q_width], [-1, c.num_attention_heads, c.head_dim])
+        k = ops.reshape(
+            qkv[:, self.q_width : self.q_width + self.kv_width],
+            [-1, c.num_key_value_heads, c.head_dim],
+        )
+        q = ops.reshape(self.norm(q, f"layers.{layer}.q_norm"), [-1, self.q_width])
+        k = ops.reshape(self.norm(k, f"layers.{layer}.k_norm"), [-1, self.kv_width])
+        return ops.concat([q, k, qkv[:, self.q_width + self.kv_width :]], axis=1)
+
+    def attention_residual(self, attn: TensorValue, h: TensorValue, layer: int) -> TensorValue:
+        """Attention output ``[T, heads * head_dim]`` through the output projection
+        (and its bias) into the residual stream ``h [T, H]``; Gemma's sandwich
+        normalizes it before the add."""
+        c = self.config
+        name = f"layers.{layer}.wo"
+        if c.sandwich_norms:
+            out = self.linear(attn, name, c.hidden_size)
+            if c.o_bias:
+                out = out + self.weight(f"layers.{layer}.o_bias")
+            return h + self.norm(out, f"layers.{layer}.post_norm")
+        h = self.linear(attn, name, c.hidden_size, h)
+        return h + self.weight(f"layers.{layer}.o_bias") if c.o_bias else h
+
+    def mlp_residual(self, h: TensorValue, layer: int) -> TensorValue:
+        """The MLP half of a layer: ``h [T, H]`` -> ``h`` + MLP(norm(``h``)); SwiGLU
+        or GeGLU; Gemma's sandwich normalizes the MLP's output too."""
+        c = self.config
+        inter = c.intermediate_size
+        pre = f"layers.{layer}.pre_ff_norm" if c.sandwich_norms else f"layers.{layer}.post_norm"
+        gate_up = self.linear(self.norm(h, pre), f"layers.{layer}.gate_up", 2 * inter)
+        if c.activation == "silu" and self.packed:
+            act = kvops.swiglu(gate_up)
+        elif c.activation == "silu":
+            act = ops.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        else:
+            act = ops.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+        if c.sandwich_norms:
+            out = self.linear(act, f"layers.{layer}.down", c.hidden_size)
+            return h + self.norm(out, f"layers.{layer}.post_ff_norm")
+        return self.linear(act, f"layers.{layer}.down", c.hidden_size, h)
+
+    def logits(self, h_last: TensorValue) -> TensorValue:
+        """Final-normed rows ``[B, H]`` -> float32 logits ``[B, vocab]`` (soft-capped
+        with ``final_logit_softcap``)."""
+        c = self.config
+        if self.packed or not c.tie_word_embeddings:
+            logits = self.linear(h_last, "lm_head", c.vocab_size)
+        else:
+            logits = h_last @ self.weight("embed_tokens").T
+        if logits.dtype != DType.float32:
+            logits = ops.cast(logits, DType.float32)
+        cap = c.final_logit_softcap
+        if cap is not None:
+            k = ops.constant(cap, DType.float32, device=logits.device)
+            logits = ops.tanh(logits / k) * k
+        return logits

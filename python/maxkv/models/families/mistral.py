@@ -1,0 +1,13 @@
+"""Mistral: a Llama whose layers may attend to a sliding window (``sliding_window``)."""
+
+from typing import Any
+
+from ..config import DecoderConfig
+from ..family import Family, decoder_config, layer_windows
+
+
+def read(hf: Any) -> DecoderConfig:
+    return decoder_config(hf, "mistral", layer_windows=layer_windows(hf, "mistral"))
+
+
+FAMILY = Family("mistral", ("MistralForCausalLM",), read)

@@ -1,0 +1,232 @@
+"""Every family maxkv registers against transformers, on small random checkpoints.
+
+For each family (``tests/family_checkpoints.py``: Llama 3 with ``llama3``
+RoPE scaling, Qwen 2.5, Qwen 3, Mistral with a sliding window, Gemma 3 with
+interleaved sliding and full layers) transformers writes a checkpoint and
+maxkv loads it from disk:
+
+- paged cache with prefix caching, through the continuous-batching scheduler
+  (more prompts than slots, so requests join mid-flight: prefill, decode and
+  mixed steps; prompts share a prefix; sliding families' prompts run past
+  their window): greedy tokens equal ``generate(do_sample=False)``'s;
+- contiguous cache, ``output="logits"``: a ragged prefill past the window, a
+  mixed step and a decode step give every sequence's last-token logits as
+  transformers computes them on the whole sequence.
+
+Checkpoints that set what maxkv does not implement are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.driver import CPU, Buffer
+from max.engine import InferenceSession
+
+from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from maxkv.models import DecoderModel, ModelLoadError, load_model
+from maxkv.models.decoder import cache_params
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
+
+from .family_checkpoints import FAMILIES, SLIDING, WINDOW, save_family_checkpoint
+
+pytest.importorskip("torch")  # transformers writes the checkpoints and is the reference
+
+NEW_TOKENS = 8
+PAGE_SIZE = 16
+
+
+def prompts_for(family: str, vocab: int, seed: int) -> list[list[int]]:
+    """Six prompts, three sharing a 48-token prefix; past the window where one exists."""
+    rng = np.random.default_rng(seed)
+    long = WINDOW + 40 if family in SLIDING else 60
+    shared = rng.integers(3, vocab, 48).tolist()
+    lengths = [long, 7, 33, long + 25]
+    prompts = [rng.integers(3, vocab, n).tolist() for n in lengths]
+    prompts += [shared + rng.integers(3, vocab, n).tolist() for n in (5, long - 40, 1)]
+    return prompts
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = str(request.param)
+    return save_family_checkpoint(tmp_path_factory.mktemp(family), family, seed=len(family))
+
+
+def family_of(checkpoint: Path) -> str:
+    return checkpoint.parent.name.rstrip("0123456789")
+
+
+@pytest.mark.compile
+def test_greedy_tokens_match_transformers_paged_prefix_cached(
+    checkpoint: Path, session: InferenceSession
+) -> None:
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    family = family_of(checkpoint)
+    config, weights = load_model(checkpoint)
+    prompts = prompts_for(family, config.vocab_size, seed=3)
+    expected = hf_generate(hf_from_pretrained(checkpoint), prompts, NEW_TOKENS)
+
+    max_batch = 3
+    max_len = max(len(p) for p in prompts) + NEW_TOKENS
+    pages = max_batch * -(-max_len // PAGE_SIZE) + 16
+    manager = PagedKVCacheManager(
+        cache_params(config),
+        PAGE_SIZE,
+        pages,
+        max_batch,
+        max_len,
+        config.num_hidden_layers,
+        [CPU()],
+        session,
+        enable_prefix_caching=True,
+    )
+    model = DecoderModel(config, weights, manager, session)
+    scheduler = ContinuousBatchingScheduler(model, manager, max_batch, num_steps=2)
+    for prompt in prompts:
+        scheduler.submit(prompt, NEW_TOKENS)
+    outputs, _ = scheduler.run()
+    assert outputs == expected
+    assert manager.prefix_cache_stats.hit_tokens > 0  # the shared prefix was reused
+
+
+@pytest.mark.compile
+def test_ragged_logits_match_transformers_contiguous(
+    checkpoint: Path, session: InferenceSession
+) -> None:
+    torch = pytest.importorskip("torch")
+    from maxkv.models.hf import hf_from_pretrained
+
+    family = family_of(checkpoint)
+    config, weights = load_model(checkpoint)
+    hf = hf_from_pretrained(checkpoint)
+    long = WINDOW + 30 if family in SLIDING else 40
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), 3, long + 16, config.num_hidden_layers, [CPU()], session
+    )
+    model = DecoderModel(config, weights, manager, session, output="logits")
+    rng = np.random.default_rng(5)
+    seqs = manager.claim(3)
+    history: dict[int, list[int]] = {seq: [] for seq in seqs}
+    for lengths in ([long, 30, 5], [1, 1, 3], [1, 1, 1]):
+        chunks = [rng.integers(3, config.vocab_size, n).tolist() for n in lengths]
+        (inputs,) = manager.fetch(seqs, active_lengths=lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+        tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+        logits = model.execute(Buffer.from_numpy(tokens), Buffer.from_numpy(offsets), inputs)
+        manager.step(dict(zip(seqs, lengths, strict=True)))
+        got = logits.to_numpy()
+        for row, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
+            history[seq] += chunk
+            with torch.no_grad():
+                want = hf(torch.tensor([history[seq]])).logits[0, -1].float().numpy()
+            scale = float(np.abs(want).max())
+            np.testing.assert_allclose(got[row], want, rtol=0, atol=2e-4 * max(1.0, scale))
+    for seq in seqs:
+        manager.release(seq)
+
+
+def _write_config(directory: Path, family: str, **changes: object) -> Path:
+    save_family_checkpoint(directory, family)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(changes)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+        ("llama3", {"mlp_bias": True}, "mlp_bias"),
+        ("llama3", {"hidden_act": "gelu"}, "hidden_act"),
+        (
+            "qwen3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "at least 128",
+        ),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("llama3", {"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
+    ],
+    ids=["rope-type", "mlp-bias", "activation", "window", "softcap", "bidirectional", "arch"],
+)
+def test_unsupported_settings_are_refused_by_name(
+    tmp_path: Path, family: str, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_write_config(tmp_path, family, **changes))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "truncate": False,
+        },
+    ],
+    ids=["default", "linear", "dynamic", "llama3", "yarn", "yarn-mscale"],
+)
+def test_rope_frequencies_match_transformers(rope: dict[str, object]) -> None:
+    """maxkv's NumPy RoPE of each type against transformers' ``ROPE_INIT_FUNCTIONS``:
+    the inverse frequencies and the attention factor, and the table built from them."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from maxkv.models.rope import RopeScaling, rope_table
+
+    theta, head_dim, positions = 500000.0, 128, 131072
+    hf = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        max_position_embeddings=positions,
+        rope_parameters={"rope_theta": theta, **rope},
+    )
+    kind = str(rope["rope_type"])
+    if kind == "default":
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        factor = 1.0
+    else:
+        inv, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    scaling = RopeScaling.from_hf(rope)
+    ours, our_factor = (
+        scaling.inv_freq(theta, head_dim)
+        if scaling
+        else (1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim), 1.0)
+    )
+    # transformers computes in float32: agreement to float32's rounding.
+    np.testing.assert_allclose(ours, inv.double().numpy(), rtol=3e-6, atol=0)
+    assert our_factor == pytest.approx(float(factor), rel=1e-6)
+    table = rope_table(head_dim, 64, theta, scaling)
+    angles = np.arange(64)[:, None] * ours[None, :]
+    want = np.stack([np.cos(angles), np.sin(angles)], -1).reshape(64, head_dim) * our_factor
+    np.testing.assert_allclose(table, want, atol=1e-6)
