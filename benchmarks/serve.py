@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-SIDES = ("maxkv", "max")
+SIDES = ("maxkv", "max", "vllm")
 WORKLOADS = ("plain", "system", "multiturn")
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -225,7 +225,8 @@ def max_cli() -> str:
 def server(
     side: str, model_dir: Path, concurrency: int, args: argparse.Namespace, log_path: Path
 ) -> Iterator[str]:
-    """``max serve`` for ``side`` on a free loopback port; stopped in a ``finally``."""
+    """``max serve`` for ``side`` (or ``vllm serve`` for ``vllm``) on a free loopback
+    port; stopped in a ``finally``."""
     port = free_port()
     command = [
         max_cli(),
@@ -247,6 +248,25 @@ def server(
         *args.server_args,
     ]
     env = {**os.environ, **SERVER_ENV}
+    if side == "vllm":  # ../shared/notes/peer-servers-on-cpu.md: its CPU backend, float32
+        command = [
+            args.vllm,
+            "serve",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(args.max_length),
+            "--max-num-seqs",
+            str(concurrency),
+            "--served-model-name",
+            str(model_dir),
+        ]
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1")
     if side == "maxkv":
         from maxkv.pipelines import CUSTOM_ARCHITECTURES
 
@@ -500,11 +520,13 @@ def profile(batches: dict[str, dict[str, Any]], elapsed: float) -> dict[str, flo
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """maxkv / MAX per workload and concurrency."""
+    """maxkv / each other side (MAX, vLLM) per workload and concurrency."""
     rows = []
     by_key = {(r["side"], r["workload"], r["concurrency"]): r for r in runs}
-    for (side, workload, concurrency), ours in sorted(by_key.items()):
-        theirs = by_key.get(("max", workload, concurrency))
+    for (side, workload, concurrency, peer), ours in sorted(
+        ((*key, peer), run) for key, run in by_key.items() for peer in SIDES[1:]
+    ):
+        theirs = by_key.get((peer, workload, concurrency))
         if side != "maxkv" or theirs is None:
             continue
         same = sum(
@@ -518,6 +540,7 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "workload": workload,
                 "concurrency": concurrency,
+                "against": peer,
                 "throughput_ratio": ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
                 "ttft_p50_ratio": ratio(ours["ttft_s"]["p50"], theirs["ttft_s"]["p50"]),
                 "itl_p90_ratio": ratio(ours["itl_s"]["p90"], theirs["itl_s"]["p90"]),
@@ -564,7 +587,7 @@ def print_table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
             return "-" if x is None else f"{x:.2f}x"
 
         print(
-            f"{row['workload']:<10} C={row['concurrency']:<3} maxkv/MAX: throughput "
+            f"{row['workload']:<10} C={row['concurrency']:<3} maxkv/{row['against']}: throughput "
             f"{f(row['throughput_ratio'])}, TTFT p50 {f(row['ttft_p50_ratio'])}, ITL p90 "
             f"{f(row['itl_p90_ratio'])}; same texts {row['same_texts']}/{row['requests']}"
         )
@@ -602,12 +625,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
                 )
                 value = None if run is None else (run[name] if pct is None else run[name][pct])
                 values.append(np.nan if value is None else value)
-            label = "maxkv" if side == "maxkv" else "MAX pipeline"
-            ax.bar(x + (k - 0.5) * 0.4, values, 0.4, label=label)
+            label = {"maxkv": "maxkv", "max": "MAX pipeline", "vllm": "vLLM CPU"}[side]
+            ax.bar(x + (k - 1) * 0.28, values, 0.28, label=label)
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_title(title, fontsize=10)
     axes[0].legend()
-    fig.suptitle("max serve on a CPU: maxkv vs MAX's own pipeline (SmolLM2-135M float32)")
+    fig.suptitle(f"Serving on a CPU, float32: {Path(runs[0]['model']).name if runs else ''}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -636,7 +659,10 @@ def model_directory(name: str) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="maxkv model name or HF dir")
-    parser.add_argument("--sides", default=",".join(SIDES), help="maxkv,max")
+    parser.add_argument("--sides", default="maxkv,max", help="of maxkv,max,vllm")
+    parser.add_argument(
+        "--vllm", default="/tmp/vllm-venv/bin/vllm", help="vLLM's CLI (its CPU backend)"
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--concurrency", default="16,32", help="requests in flight, e.g. 16,32")
     parser.add_argument("--requests", type=int, default=0, help="per workload (default 3 x C)")
@@ -701,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                         log.seek(offset)
                         counters = log_counters(log.read())
                     run = {
+                        "model": str(model_dir),
                         "side": side,
                         "workload": workload,
                         "concurrency": concurrency,

@@ -52,16 +52,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_llama_dir(
-    directory: Path, *, seed: int = 0, layers: int = 2, chat_template: bool = False
-) -> dict[str, int]:
-    """Writes the directory; returns its vocabulary size and EOS/BOS ids.
-
-    Needs torch and transformers (the weights are transformers' own init).
-    """
-    import torch
+def save_tiny_tokenizer(directory: Path, *, chat_template: bool = False) -> int:
+    """Writes a byte-level tokenizer of printable ASCII (ids 0 ``</s>``, 1 ``<s>``,
+    one token per character) to ``directory``; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     b2u = _byte_to_unicode()
     vocab = {"</s>": 0, "<s>": 1}
@@ -74,10 +69,23 @@ def make_tiny_llama_dir(
     if chat_template:  # max generate --prompt then applies it: off unless asked for
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
+    return len(vocab)
 
+
+def make_tiny_llama_dir(
+    directory: Path, *, seed: int = 0, layers: int = 2, chat_template: bool = False
+) -> dict[str, int]:
+    """Writes the directory; returns its vocabulary size and EOS/BOS ids.
+
+    Needs torch and transformers (the weights are transformers' own init).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab_size = save_tiny_tokenizer(directory, chat_template=chat_template)
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -90,7 +98,24 @@ def make_tiny_llama_dir(
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
-    return {"vocab_size": len(vocab), "eos": 0, "bos": 1}
+    return {"vocab_size": vocab_size, "eos": 0, "bos": 1}
+
+
+def make_tiny_family_dir(directory: Path, family: str, *, seed: int = 0) -> Path:
+    """``family``'s small checkpoint (:mod:`tests.family_checkpoints`) with the tiny
+    tokenizer: a directory ``max generate`` and transformers both load."""
+    from .family_checkpoints import save_family_checkpoint
+
+    vocab_size = save_tiny_tokenizer(directory)
+    return save_family_checkpoint(
+        directory,
+        family,
+        seed,
+        vocab_size=vocab_size,
+        eos_token_id=0,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
 
 
 # ------------------------------------------------------------ real processes

@@ -131,6 +131,7 @@ def test_ragged_logits_match_transformers_contiguous(
 
 
 def _write_config(directory: Path, family: str, **changes: object) -> Path:
+    """``family``'s checkpoint whose ``config.json`` then gets ``changes``."""
     save_family_checkpoint(directory, family)
     raw = json.loads((directory / "config.json").read_text())
     raw.update(changes)
@@ -230,3 +231,33 @@ def test_rope_frequencies_match_transformers(rope: dict[str, object]) -> None:
     angles = np.arange(64)[:, None] * ours[None, :]
     want = np.stack([np.cos(angles), np.sin(angles)], -1).reshape(64, head_dim) * our_factor
     np.testing.assert_allclose(table, want, atol=1e-6)
+
+
+@pytest.mark.compile
+def test_a_family_added_in_one_module_runs(tmp_path: Path, session: InferenceSession) -> None:
+    """``tests/toy_family.py`` is a whole family (a module, then one
+    ``register_family`` line): its checkpoint loads and decodes as transformers does."""
+    from maxkv.models import register_family, registered_architectures
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    from . import toy_family
+
+    register_family(toy_family.FAMILY)
+    assert registered_architectures()["ToyForCausalLM"] is toy_family.FAMILY
+    full = ["full_attention", "full_attention"]
+    _write_config(tmp_path, "gemma3", architectures=["ToyForCausalLM"], layer_types=full)
+    config, weights = load_model(tmp_path)
+    assert config.family == "toy" and not config.sliding
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (9, 40, 1)]
+    expected = hf_generate(hf_from_pretrained(tmp_path), prompts, NEW_TOKENS)
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), 2, 64, config.num_hidden_layers, [CPU()], session
+    )
+    scheduler = ContinuousBatchingScheduler(
+        DecoderModel(config, weights, manager, session), manager, 2
+    )
+    for prompt in prompts:
+        scheduler.submit(prompt, NEW_TOKENS)
+    outputs, _ = scheduler.run()
+    assert outputs == expected

@@ -209,8 +209,8 @@ def test_bad_prompts_json_is_one_error_line(tmp_path: Path, content: str, messag
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "longrope"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

@@ -27,6 +27,7 @@ from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 from . import fakes
 from .conftest import requires_transformers
+from .family_checkpoints import FAMILIES
 from .forgery import forge_every_block
 from .pipeline_helpers import (
     MAX_CLI,
@@ -304,6 +305,44 @@ def test_max_generate_matches_transformers(
     logged = read_events(events)
     assert [e["event"] for e in logged] == ["alloc", "release"]  # it ran on a maxkv sequence
     assert logged[-1]["free"] == logged[-1]["total"]  # slots, or pages of 16 tokens
+
+
+#: A prompt of 160 tokens (one per character): past the families' 128-token windows.
+LONG_PROMPT = ("the cache keeps what the window no longer sees; " * 4)[:160]
+
+
+@pytest.mark.serve
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_max_generate_runs_every_family_as_transformers_does(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``max generate`` through ``--custom-architectures maxkv.pipelines`` on each
+    family's random checkpoint (paged cache): transformers' greedy text, on a
+    prompt longer than the sliding families' window."""
+    requires_transformers()
+    from .pipeline_helpers import make_tiny_family_dir
+
+    directory = make_tiny_family_dir(tmp_path_factory.mktemp(family), family, seed=3)
+    result = subprocess.run(
+        [
+            MAX_CLI,
+            "generate",
+            *max_pipeline_args(
+                directory,
+                *("--max-length", "256", "--max-batch-size", "1", "--kv-cache-page-size", "16"),
+                *("--top-k", "1", "--prompt", LONG_PROMPT),
+            ),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **OFFLINE},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    generated = result.stdout.split("Prompt size:")[0].strip("\n")
+    assert generated == transformers_completion(directory, LONG_PROMPT, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -126,16 +126,27 @@ class MaxkvInputs(ModelInputs):
 class MaxkvArchConfig(Llama3Config):
     """MAX's per-architecture configuration for maxkv's families.
 
-    MAX reads the cache's shape from it (``construct_kv_params``: KV heads,
-    ``head_dim``, layers, which every family's ``config.json`` names alike).
-    ``initialize`` builds MAX's own Llama graph settings, which maxkv's graph
-    does not read, and refuses configs MAX's Llama does not take (Gemma 3's RoPE per
-    layer type): maxkv reads the checkpoint itself (:func:`maxkv.models.load_model`).
+    MAX's memory plan and ``kv_params`` read the cache's shape from it (KV
+    heads, ``head_dim``, layers), which every family's ``config.json`` names
+    alike.  It is built as MAX's Llama 3 configuration of the checkpoint with
+    the default RoPE: MAX's Llama reads only a flat ``rope_scaling`` (not
+    Gemma 3's RoPE per layer type), and maxkv's graph reads the RoPE from the
+    checkpoint itself (:func:`maxkv.models.load_model`).
     """
 
     @classmethod
-    def initialize(cls, pipeline_config: Any, max_seq_len: int | None = None) -> Any:
-        return None
+    def initialize(cls, pipeline_config: Any, model_config: Any = None, *, max_seq_len: int) -> Any:
+        model_config = model_config or pipeline_config.model
+        hf = copy.deepcopy(model_config.huggingface_config)
+        if hf is None:
+            return super().initialize(pipeline_config, model_config, max_seq_len=max_seq_len)
+        hf.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        hf.rope_theta = 10000.0
+        if hasattr(hf, "rope_scaling"):
+            hf.rope_scaling = None
+        return cls.initialize_from_config(
+            pipeline_config, hf, model_config, max_seq_len=max_seq_len
+        )
 
 
 class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
