@@ -12,8 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .cachedir import cache_dir
 
@@ -103,3 +108,75 @@ def _precompile(source: Path, output: Path) -> None:
     except subprocess.CalledProcessError as exc:
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
         raise RuntimeError(f"compiling the Mojo package {source} failed:\n{stderr}") from exc
+
+
+#: The Mojo compiler's warning about the code MAX generates around maxkv's
+#: collections (each op's wrapper moves the collection with ``^``; the
+#: collections are trivial register types, on purpose: a move is a copy, which
+#: keeps MAX's code generation from using a moved-from value on a GPU).  It
+#: has no effect and nothing a user can act on.
+HARMLESS_WARNING = "warning: transfer from a value of trivial register type"
+
+
+@contextmanager
+def harmless_warnings_filtered() -> Iterator[None]:
+    """Drops :data:`HARMLESS_WARNING` (with its source excerpt) from what the
+    process writes to standard error inside the block; everything else is
+    written out, in order, when the block ends (also on an exception).
+
+    MAX's graph compiler prints from native code straight to file
+    descriptor 2, so the descriptor is redirected to a temporary file for the
+    block.  Nested blocks pass through.
+    """
+    global _filtering
+    with _filter_lock:
+        nested = _filtering
+        _filtering = True
+    if nested:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                kept = _without_harmless(captured.read().decode(errors="replace"))
+                if kept:
+                    sys.stderr.write(kept)
+                    sys.stderr.flush()
+    finally:
+        os.close(saved)
+        with _filter_lock:
+            _filtering = False
+
+
+def _without_harmless(text: str) -> str:
+    """``text`` without :data:`HARMLESS_WARNING` blocks (the warning line, then
+    its indented source and caret lines)."""
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines(keepends=True):
+        if line.startswith(HARMLESS_WARNING):
+            skipping = True
+            continue
+        if skipping and (not line.strip() or line[:1].isspace()):
+            continue
+        skipping = False
+        kept.append(line)
+    return "".join(kept)
+
+
+def load_graph(session: Any, graph: Any, **kwargs: Any) -> Any:
+    """``session.load(graph, **kwargs)`` with :func:`harmless_warnings_filtered`."""
+    with harmless_warnings_filtered():
+        return session.load(graph, **kwargs)
+
+
+_filter_lock = threading.Lock()
+_filtering = False

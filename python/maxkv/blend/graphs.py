@@ -28,7 +28,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from .. import ops as kvops
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import KVCacheInputs
-from ..kernels import kernels_path
+from ..kernels import kernels_path, load_graph
 from ..models.blocks import Blocks
 from ..models.config import DecoderConfig
 from ..models.decoder import graph_weight_shapes
@@ -89,7 +89,7 @@ class LayerGraphs:
         self._writers: dict[tuple[object, ...], Model] = {}
 
     def _load(self, graph: Graph) -> Model:
-        return self.session.load(graph)
+        return load_graph(self.session, graph)
 
     def _weight_type(self, name: str) -> TensorType:
         return TensorType(F32, list(self.shapes[name]), self.ref)

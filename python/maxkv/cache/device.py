@@ -27,7 +27,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 from ..graph import ops as kv_ops
-from ..kernels import kernels_path
+from ..kernels import kernels_path, load_graph
 from .spec import BATCH_DIM, CacheSpec, KVCacheInputs
 
 _graphs: weakref.WeakKeyDictionary[InferenceSession, dict[tuple[object, ...], Model]] = (
@@ -43,7 +43,7 @@ def compiled_once(
     with _graphs_lock:
         models = _graphs.setdefault(session, {})
         if key not in models:
-            models[key] = session.load(build())
+            models[key] = load_graph(session, build())
         return models[key]
 
 

@@ -33,7 +33,7 @@ from ..cpu.arrays import aligned
 from ..cpu.quantized import BlockQuantized
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
-from ..kernels import kernels_path
+from ..kernels import kernels_path, load_graph
 from .blocks import Blocks
 from .config import DecoderConfig, check_weights
 
@@ -528,7 +528,7 @@ class DecoderModel:
             self.quant_bits,
             self.greedy_head,
         )
-        self._model: Model = session.load(graph, weights_registry=registry)
+        self._model: Model = load_graph(session, graph, weights_registry=registry)
 
     @property
     def max_positions(self) -> int:
