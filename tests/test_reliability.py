@@ -590,11 +590,18 @@ class PagedPrefixModel:
         self.salt: dict[int, str | None] = {}
         self.pending: dict[int, list[int]] = {}
         self.registered: dict[int, bool] = {}
+        #: For a sequence live at a reset (``registered`` false): its tokens then.
+        #: The pages it fills later are registered (its hash chain goes on),
+        #: those it held then are not.
+        self.since: dict[int, int] = {}
         self.committed: dict[str | None, set[tuple[int, ...]]] = {s: set() for s in SALTS}
 
     def commit(self, seq: int) -> None:
         tokens = self.tokens[seq]
-        for end in range(PREFIX_PAGE, len(tokens) + 1, PREFIX_PAGE):
+        first = PREFIX_PAGE
+        if not self.registered[seq]:
+            first = (self.since[seq] // PREFIX_PAGE + 1) * PREFIX_PAGE
+        for end in range(first, len(tokens) + 1, PREFIX_PAGE):
             self.committed[self.salt[seq]].add(tuple(tokens[:end]))
 
     def bounds(self, prompt: list[int], salt: str | None) -> tuple[int, int]:
@@ -747,8 +754,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             self.model.pending[seq] = self.model.pending[seq][len(new_tokens[seq]) :]
         m.step({s: len(t) for s, t in new_tokens.items()}, tokens=new_tokens)
         for seq in seqs:
-            if self.model.registered[seq]:
-                self.model.commit(seq)
+            self.model.commit(seq)
         RELIABILITY_COUNTS["paged prefix machine: appends"] += 1
 
     @precondition(lambda self: self.model.tokens)
@@ -765,6 +771,8 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         self.model.salt[child] = self.model.salt[parent]
         self.model.pending[child] = []
         self.model.registered[child] = self.model.registered[parent]
+        if not self.model.registered[parent]:
+            self.model.since[child] = min(self.model.since[parent], pos)
         RELIABILITY_COUNTS["paged prefix machine: forks"] += 1
 
     @precondition(lambda self: self.model.tokens)
@@ -843,6 +851,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         self.model.committed = {s: set() for s in SALTS}
         for seq in self.model.registered:
             self.model.registered[seq] = False
+            self.model.since[seq] = len(self.model.tokens[seq])
         RELIABILITY_COUNTS["paged prefix machine: resets"] += 1
 
     @invariant()

@@ -20,6 +20,7 @@ def greedy_reference(
     Independent of maxkv's graph and kernels: written from the Llama
     definition, in float64, recomputing every position for every token.
     """
+    _check_plain_llama(config)
     w = {name: np.asarray(array, dtype=np.float64) for name, array in weights.items()}
     tokens = list(prompt)
     out: list[int] = []
@@ -32,11 +33,32 @@ def greedy_reference(
     return out
 
 
+def _check_plain_llama(config: DecoderConfig) -> None:
+    """Refuses configurations this Llama-only reference does not compute."""
+    plain = DecoderConfig(
+        **{
+            name: getattr(config, name)
+            for name in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+                "eos_token_ids", "bos_token_id", "family",
+            )
+        }
+    )  # fmt: skip
+    if config != plain:
+        raise ValueError(
+            f"the NumPy reference computes a plain Llama; this {config.family} model needs "
+            "transformers (maxkv.models.hf)"
+        )
+
+
 def logits_reference(
     config: DecoderConfig, weights: Mapping[str, np.ndarray], tokens: Sequence[int]
 ) -> np.ndarray:
     """float64 logits ``[vocab]`` of the last of ``tokens`` (the forward pass of
     :func:`greedy_reference`)."""
+    _check_plain_llama(config)
     w = {name: np.asarray(array, dtype=np.float64) for name, array in weights.items()}
     return _last_logits(config, w, list(tokens))
 
