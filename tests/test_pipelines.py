@@ -323,6 +323,7 @@ def test_max_generate_runs_every_family_as_transformers_does(
     from .pipeline_helpers import make_tiny_family_dir
 
     directory = make_tiny_family_dir(tmp_path_factory.mktemp(family), family, seed=3)
+    events = directory / "events.jsonl"
     result = subprocess.run(
         [
             MAX_CLI,
@@ -338,11 +339,14 @@ def test_max_generate_runs_every_family_as_transformers_does(
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, **OFFLINE},
+        env={**os.environ, **OFFLINE, "MAXKV_EVENT_LOG": str(events)},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     generated = result.stdout.split("Prompt size:")[0].strip("\n")
     assert generated == transformers_completion(directory, LONG_PROMPT, NEW_TOKENS)
+    logged = read_events(events)  # it ran on maxkv's cache, not MAX's own pipeline
+    assert [e["event"] for e in logged] == ["alloc", "release"]
+    assert "trivial register type" not in result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,19 @@ class DecoderConfig:
 
         return family_for(config).read(config)
 
+    def is_plain_llama(self) -> bool:
+        """Whether every block option is a Llama-2-style default (no biases, norms
+        or scales beyond a Llama's, no RoPE scaling, no window): the model that
+        GGUF files, :func:`~maxkv.models.export.llama_config_json` and the NumPy
+        reference describe."""
+        defaults = DecoderConfig(1, 1, 1, 1, 1, 1, 2)
+        options = (
+            "rope_scaling", "local_rope_theta", "qkv_bias", "o_bias", "qk_norm", "norm_offset",
+            "sandwich_norms", "activation", "embed_scale", "query_scale", "layer_windows",
+            "final_logit_softcap",
+        )  # fmt: skip
+        return all(getattr(self, name) == getattr(defaults, name) for name in options)
+
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or ``None`` (every token)."""
         return self.layer_windows[layer] if self.layer_windows else None

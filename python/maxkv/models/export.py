@@ -24,7 +24,14 @@ def hf_config_dict(model: LoadedModel) -> dict[str, object]:
 
 def llama_config_json(config: DecoderConfig, torch_dtype: str = "float32") -> dict[str, object]:
     """A Hugging Face ``config.json`` (``LlamaForCausalLM``) of ``config``, whose
-    weights are stored as ``torch_dtype``."""
+    weights are stored as ``torch_dtype``.
+
+    Raises:
+        ModelLoadError: If ``config`` is not a plain Llama (another family's
+            options would be lost).
+    """
+    if not config.is_plain_llama():
+        raise ModelLoadError(f"a {config.family} model is not exported as a LlamaForCausalLM")
     c = config
     eos: object = list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0]
     return {

@@ -35,18 +35,7 @@ def greedy_reference(
 
 def _check_plain_llama(config: DecoderConfig) -> None:
     """Refuses configurations this Llama-only reference does not compute."""
-    plain = DecoderConfig(
-        **{
-            name: getattr(config, name)
-            for name in (
-                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "rope_theta", "max_position_embeddings", "tie_word_embeddings",
-                "eos_token_ids", "bos_token_id", "family",
-            )
-        }
-    )  # fmt: skip
-    if config != plain:
+    if not config.is_plain_llama():
         raise ValueError(
             f"the NumPy reference computes a plain Llama; this {config.family} model needs "
             "transformers (maxkv.models.hf)"
