@@ -396,12 +396,21 @@ def rope_freqs_cis(
     """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even int, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    return freqs_cis_table(inv_freq, max_positions, dtype=dtype)
+
+
+def freqs_cis_table(
+    inv_freq: np.ndarray, max_positions: int, scale: float = 1.0, dtype: type = np.float32
+) -> np.ndarray:
+    """The ``freqs_cis`` layout of any RoPE: row *p* is ``scale *
+    [cos(p θ_0), sin(p θ_0), cos(p θ_1), ...]`` for the inverse frequencies
+    ``inv_freq`` ``[head_dim / 2]`` (computed in float64, then cast to ``dtype``)."""
     if max_positions <= 0:
         raise ValueError(f"max_positions must be positive, got {max_positions}")
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
-    table = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(max_positions, head_dim)
-    return table.astype(dtype)
+    table = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(max_positions, -1)
+    return (table * scale).astype(dtype)
 
 
 def store_kv_ragged(

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..graph.ops import MIN_WINDOW
+from ..graph.ops import check_window
 from .errors import ModelLoadError
 from .rope import RopeScaling, rope_table
 
@@ -114,13 +114,13 @@ class DecoderConfig:
                 f"{len(self.layer_windows)} layer windows for {self.num_hidden_layers} layers"
             )
         for i, window in enumerate(self.layer_windows):
-            if window is not None and (
-                not isinstance(window, int) or isinstance(window, bool) or window < MIN_WINDOW
-            ):
-                raise ModelLoadError(
-                    f"layer {i}'s sliding window {window!r} is not supported: maxkv's kernels "
-                    f"take windows of at least {MIN_WINDOW} tokens"
-                )
+            if window is not None:
+                try:
+                    check_window(window)
+                except ValueError as error:
+                    raise ModelLoadError(
+                        f"layer {i}'s sliding window is not supported by maxkv's kernels: {error}"
+                    ) from None
         for name in ("embed_scale", "query_scale", "final_logit_softcap"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, float) and value > 0):
@@ -161,18 +161,27 @@ class DecoderConfig:
         """Whether any layer has a sliding window."""
         return any(w is not None for w in self.layer_windows)
 
-    def uses_local_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates with the local RoPE (``rope_local.freqs_cis``)."""
-        return self.local_rope_theta is not None and self.window(layer) is not None
+    def rope_name(self, layer: int) -> str:
+        """The RoPE table graph weight layer ``layer`` rotates with: ``rope_local.freqs_cis``
+        for a sliding layer with a local RoPE, else ``rope.freqs_cis``."""
+        local = self.local_rope_theta is not None and self.window(layer) is not None
+        return "rope_local.freqs_cis" if local else "rope.freqs_cis"
+
+    def ropes(self) -> dict[str, tuple[float, RopeScaling | None]]:
+        """The graph's RoPE table weights -> their base and scaling: ``rope.freqs_cis``
+        and, with a local RoPE, ``rope_local.freqs_cis`` (default RoPE)."""
+        ropes = {"rope.freqs_cis": (self.rope_theta, self.rope_scaling)}
+        if self.local_rope_theta is not None:
+            ropes["rope_local.freqs_cis"] = (self.local_rope_theta, None)
+        return ropes
 
     def rope_tables(self) -> dict[str, np.ndarray]:
-        """The graph's RoPE tables, float32 ``[max_position_embeddings, head_dim]``:
-        ``rope.freqs_cis`` and, with a local RoPE, ``rope_local.freqs_cis``."""
+        """The tables of :meth:`ropes`, float32 ``[max_position_embeddings, head_dim]``."""
         n, d = self.max_position_embeddings, self.head_dim
-        tables = {"rope.freqs_cis": rope_table(d, n, self.rope_theta, self.rope_scaling)}
-        if self.local_rope_theta is not None:
-            tables["rope_local.freqs_cis"] = rope_table(d, n, self.local_rope_theta)
-        return tables
+        return {
+            name: rope_table(d, n, theta, scaling)
+            for name, (theta, scaling) in self.ropes().items()
+        }
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face weight names and shapes of this configuration."""

@@ -237,7 +237,7 @@ def graph_weight_shapes(
         return (out_features, in_features)
 
     shapes: dict[str, tuple[int, ...]] = {
-        name: (c.max_position_embeddings, c.head_dim) for name in _rope_names(c)
+        name: (c.max_position_embeddings, c.head_dim) for name in c.ropes()
     }
     shapes |= {"embed_tokens": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,)}
     if packed or not c.tie_word_embeddings:
@@ -272,12 +272,6 @@ def graph_weight_shapes(
         shapes["lm_head.greedy_q"] = kvops.greedy_q_shape(c.vocab_size, c.hidden_size, layout)
         shapes["lm_head.greedy_info"] = (4, tiles * kvops.PACKED_TILE)
     return shapes
-
-
-def _rope_names(config: DecoderConfig) -> list[str]:
-    """The graph's RoPE table weights (:meth:`DecoderConfig.rope_tables`)."""
-    local = ["rope_local.freqs_cis"] if config.local_rope_theta is not None else []
-    return ["rope.freqs_cis", *local]
 
 
 def build_decoder_graph(
@@ -349,7 +343,7 @@ def build_decoder_graph(
         last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
         for i in range(cfg.num_hidden_layers):
             x = blocks.norm(h, f"layers.{i}.input_norm")
-            freqs = weight("rope_local.freqs_cis" if cfg.uses_local_rope(i) else "rope.freqs_cis")
+            freqs = weight(cfg.rope_name(i))
             if packed:  # projection, then K and V stored and Q and K rotated in one pass
                 q = kvops.store_kv_ragged(params, blocks.qkv(x, i), offsets, kv, i, freqs_cis=freqs)
                 q = q.reshape(["total_tokens", heads, head_dim])

@@ -29,8 +29,9 @@ class Family:
     Attributes:
         name: Its short name (``"qwen3"``), in messages and ``DecoderConfig.family``.
         architectures: The Hugging Face ``architectures`` names it serves.
-        read: ``config.json``'s dict, parsed by transformers' config class
-            for its ``model_type`` -> the decoder's configuration.
+        read_hf: transformers' config of the checkpoint (its ``config.json``
+            parsed by the config class of its ``model_type``) -> the decoder's
+            configuration; :meth:`read` applies it to a ``config.json`` dict.
     """
 
     name: str
@@ -120,7 +121,9 @@ def decoder_config(hf: Any, family: str, **options: Any) -> DecoderConfig:
 
     Checks what every family's layer would otherwise silently ignore: the
     hidden activation (against ``options['activation']``), MLP biases,
-    partial rotary embeddings, attention soft-capping and RoPE per layer.
+    partial rotary embeddings, attention soft-capping, bidirectional attention,
+    and the RoPE (:func:`read_rope`) unless the family passes ``rope_theta``
+    (and ``rope_scaling``) itself.
 
     Raises:
         ModelLoadError: Naming the first unsupported setting.

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..graph.ops import freqs_cis_table, rope_freqs_cis
 from .errors import ModelLoadError
 
 #: The RoPE types maxkv implements (``default`` needs no :class:`RopeScaling`).
@@ -180,14 +181,9 @@ def rope_table(
 ) -> np.ndarray:
     """The ``freqs_cis`` table: float32 ``[max_positions, head_dim]``, row *p*
     ``[cos(p θ_0), sin(p θ_0), cos(p θ_1), ...]`` times the attention factor."""
+    if scaling is None:
+        return rope_freqs_cis(head_dim, max_positions, theta)
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even int, got {head_dim}")
-    if max_positions <= 0:
-        raise ValueError(f"max_positions must be positive, got {max_positions}")
-    if scaling is None:
-        inv, factor = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim), 1.0
-    else:
-        inv, factor = scaling.inv_freq(theta, head_dim)
-    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv)
-    table = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(max_positions, head_dim)
-    return (table * factor).astype(np.float32)
+    inv, factor = scaling.inv_freq(theta, head_dim)
+    return freqs_cis_table(inv, max_positions, factor)
