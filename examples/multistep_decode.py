@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             [device],
             session,
             enable_prefix_caching=args.prefix_caching,
+            sliding_window=config.cache_window,
         )
     else:
         manager = ContinuousBatchingKVCacheManager(

@@ -67,6 +67,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: Families with a sliding window somewhere.
 SLIDING = ("mistral", "gemma3")
+#: Families whose every layer slides (the paged cache gives pages back).
+ALL_SLIDING = ("mistral",)
 
 
 def hf_family_config(family: str, **overrides: Any) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,11 +29,12 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
 from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from maxkv.cache.paged import UNUSED_PAGE
 from maxkv.models import DecoderModel, ModelLoadError, load_model
 from maxkv.models.decoder import cache_params
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
-from .family_checkpoints import FAMILIES, SLIDING, WINDOW, save_family_checkpoint
+from .family_checkpoints import ALL_SLIDING, FAMILIES, SLIDING, WINDOW, save_family_checkpoint
 
 pytest.importorskip("torch")  # transformers writes the checkpoints and is the reference
 
@@ -90,14 +92,34 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
         [CPU()],
         session,
         enable_prefix_caching=True,
+        sliding_window=config.cache_window,
     )
+    assert (config.cache_window is not None) == (family in ALL_SLIDING)
     model = DecoderModel(config, weights, manager, session)
     scheduler = ContinuousBatchingScheduler(model, manager, max_batch, num_steps=2)
     for prompt in prompts:
         scheduler.submit(prompt, NEW_TOKENS)
+    # After every commit, a sequence of a model whose layers all slide holds only
+    # its window's pages (and the one its next step reserved).
+    held_after_steps: list[int] = []
+    commit = manager.step
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        commit(*args, **kwargs)
+        for seq in manager.cache_lengths:
+            row = manager.pages(seq)
+            held_after_steps.append(len(row) - row.count(UNUSED_PAGE))
+            if config.cache_window is None:
+                assert UNUSED_PAGE not in row
+
+    manager.step = step  # type: ignore[method-assign]
     outputs, _ = scheduler.run()
     assert outputs == expected
     assert manager.prefix_cache_stats.hit_tokens > 0  # the shared prefix was reused
+    if config.cache_window is not None:
+        bound = manager.window.max_live_pages()
+        assert bound is not None and max(held_after_steps) <= bound + 1
+        assert max(held_after_steps) < -(-max(len(p) for p in prompts) // PAGE_SIZE)
 
 
 #: The families whose logits are also checked on the contiguous cache: RoPE

@@ -25,7 +25,7 @@ from maxkv import (
     KVCacheParams,
     PagedKVCacheManager,
 )
-from maxkv.cache.paged import SwappedSequence
+from maxkv.cache.paged import UNUSED_PAGE, SwappedSequence
 from maxkv.tiers import TierConfig
 
 from .conftest import RELIABILITY_COUNTS
@@ -585,7 +585,9 @@ class PagedPrefixModel:
     registered sequences bound it from below (held pages are never evicted).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        #: Every layer attends to its last ``window`` tokens (``None``: all of them).
+        self.window = window
         self.tokens: dict[int, list[int]] = {}
         self.salt: dict[int, str | None] = {}
         self.pending: dict[int, list[int]] = {}
@@ -604,6 +606,14 @@ class PagedPrefixModel:
         for end in range(first, len(tokens) + 1, PREFIX_PAGE):
             self.committed[self.salt[seq]].add(tuple(tokens[:end]))
 
+    def first_visible(self, length: int) -> int:
+        """The first position a sequence of ``length`` tokens may still attend to."""
+        return 0 if self.window is None else max(0, length - self.window + 1)
+
+    def first_kept_page(self, length: int) -> int:
+        """The pages before it hold no position any layer may attend to: given back."""
+        return self.first_visible(length) // PREFIX_PAGE
+
     def bounds(self, prompt: list[int], salt: str | None) -> tuple[int, int]:
         usable = len(prompt) - 1
         upper = max(
@@ -618,7 +628,10 @@ class PagedPrefixModel:
             n = 0
             while n < min(usable, len(tokens)) and tokens[n] == prompt[n]:
                 n += 1
-            lower = max(lower, n - n % PREFIX_PAGE)
+            n -= n % PREFIX_PAGE
+            # It holds the pages a prefix of n tokens needs unless it gave them back.
+            if self.first_kept_page(len(tokens)) <= self.first_kept_page(n):
+                lower = max(lower, n)
         return lower, upper
 
 
@@ -635,6 +648,9 @@ class PagedPrefixMachine(RuleBasedStateMachine):
     pages the sequences hold, and every claim's hit against the model's bounds.
     """
 
+    #: The manager's sliding window (``None``: pages are kept until release).
+    WINDOW: int | None = None
+
     def __init__(self) -> None:
         super().__init__()
         params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
@@ -650,13 +666,15 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             enable_prefix_caching=True,
             cache_device=NumpyCacheDevice(),
             tiers=TierConfig(model_id="machine", host_bytes=PREFIX_PAGES * PREFIX_PAGE_BYTES),
+            sliding_window=self.WINDOW,
         )
-        self.model = PagedPrefixModel()
+        self.model = PagedPrefixModel(self.WINDOW)
         #: Swapped-out sequences: the handle, and the model's records of the sequence.
         self.swapped: list[tuple[SwappedSequence, list[int], str | None, list[int]]] = []
         self.lookups = 0
         self.hit_tokens = 0
-        RELIABILITY_COUNTS["paged prefix machine: examples"] += 1
+        self.counts = f"paged prefix machine{'' if self.WINDOW is None else ' (window)'}"
+        RELIABILITY_COUNTS[f"{self.counts}: examples"] += 1
 
     def state(self) -> object:
         m = self.manager
@@ -667,7 +685,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         with pytest.raises(ValueError):
             call(*args, **kwargs)  # type: ignore[operator]
         assert self.state() == before
-        RELIABILITY_COUNTS["paged prefix machine: inputs rejected"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: inputs rejected"] += 1
 
     def live(self) -> list[int]:
         return sorted(self.model.tokens)
@@ -691,11 +709,13 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         seq, cached = self.manager.claim_prefix(prompt, salt=salt)
         assert cached % PREFIX_PAGE == 0 and lower <= cached <= upper, (lower, cached, upper)
         if self.manager.tier_hit_tokens > from_tiers:
-            RELIABILITY_COUNTS["paged prefix machine: hits loaded from the host tier"] += 1
+            RELIABILITY_COUNTS[f"{self.counts}: hits loaded from the host tier"] += 1
         self.lookups += 1
         self.hit_tokens += cached
         if cached:
-            RELIABILITY_COUNTS["paged prefix machine: hits"] += 1
+            RELIABILITY_COUNTS[f"{self.counts}: hits"] += 1
+        if self.manager.pages(seq)[:1] == (UNUSED_PAGE,):
+            RELIABILITY_COUNTS[f"{self.counts}: hits whose first pages were given back"] += 1
         self.model.tokens[seq] = prompt[:cached]
         self.model.salt[seq] = salt
         self.model.pending[seq] = prompt[cached:]
@@ -739,7 +759,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         try:
             m.reserve(totals)
         except ValueError:  # out of pages (CacheFullError): nothing may have changed
-            RELIABILITY_COUNTS["paged prefix machine: out of pages"] += 1
+            RELIABILITY_COUNTS[f"{self.counts}: out of pages"] += 1
             self.rejected(m.fetch, seqs, 1, active_lengths=active)
             return
         (inputs,) = m.fetch(seqs, 1, active_lengths=active)
@@ -755,15 +775,26 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         m.step({s: len(t) for s, t in new_tokens.items()}, tokens=new_tokens)
         for seq in seqs:
             self.model.commit(seq)
-        RELIABILITY_COUNTS["paged prefix machine: appends"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: appends"] += 1
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self.live()))
-        pos = data.draw(st.integers(0, len(self.model.tokens[parent])))
+        length = len(self.model.tokens[parent])
+        pos = data.draw(st.integers(0, length))
         needs_copy = pos % PREFIX_PAGE != 0
-        if len(self.live()) == PREFIX_IDS or (needs_copy and self.manager.free_pages == 0):
+        given_back = self.model.first_kept_page(pos) < self.model.first_kept_page(length)
+        if given_back and len(self.live()) < PREFIX_IDS:
+            with pytest.raises(ValueError, match="given back"):
+                self.manager.fork(parent, pos)
+            RELIABILITY_COUNTS[f"{self.counts}: forks into given-back pages refused"] += 1
+            return
+        if (
+            given_back
+            or len(self.live()) == PREFIX_IDS
+            or (needs_copy and self.manager.free_pages == 0)
+        ):
             self.rejected(self.manager.fork, parent, pos)
             return
         child = self.manager.fork(parent, pos)
@@ -773,20 +804,28 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         self.model.registered[child] = self.model.registered[parent]
         if not self.model.registered[parent]:
             self.model.since[child] = min(self.model.since[parent], pos)
-        RELIABILITY_COUNTS["paged prefix machine: forks"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: forks"] += 1
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
     def pop_n(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.live()))
-        n = data.draw(st.integers(0, len(self.model.tokens[seq]) + 1))
-        if not 0 < n <= len(self.model.tokens[seq]):
+        length = len(self.model.tokens[seq])
+        n = data.draw(st.integers(0, length + 1))
+        if not 0 < n <= length:
             self.rejected(self.manager.pop_n, seq, n)
+            return
+        if self.model.first_kept_page(length - n) < self.model.first_kept_page(length):
+            before = self.state()
+            with pytest.raises(ValueError, match="given back"):
+                self.manager.pop_n(seq, n)
+            assert self.state() == before
+            RELIABILITY_COUNTS[f"{self.counts}: pop_n into given-back pages refused"] += 1
             return
         self.manager.pop_n(seq, n)
         del self.model.tokens[seq][-n:]
         self.model.pending[seq] = []
-        RELIABILITY_COUNTS["paged prefix machine: pop_n"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: pop_n"] += 1
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
@@ -807,7 +846,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         (seq,) = m.claim(1)
         m.reserve({seq: min(free * PREFIX_PAGE, PREFIX_SEQ_LEN)})
         m.release(seq)
-        RELIABILITY_COUNTS["paged prefix machine: device cache evicted"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: device cache evicted"] += 1
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
@@ -819,7 +858,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
              self.model.pending.pop(seq))
         )  # fmt: skip
         del self.model.registered[seq]
-        RELIABILITY_COUNTS["paged prefix machine: swapped out"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: swapped out"] += 1
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
@@ -832,7 +871,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             with pytest.raises(CacheFullError):
                 m.swap_in(swapped)
             assert self.state() == before
-            RELIABILITY_COUNTS["paged prefix machine: swap in refused"] += 1
+            RELIABILITY_COUNTS[f"{self.counts}: swap in refused"] += 1
             return
         seq = m.swap_in(swapped)
         del self.swapped[index]
@@ -841,7 +880,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         self.model.commit(seq)  # its full pages are registered again
         with pytest.raises(ValueError, match="swapped in already"):
             m.swap_in(swapped)
-        RELIABILITY_COUNTS["paged prefix machine: swapped in"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: swapped in"] += 1
 
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:
@@ -852,7 +891,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         for seq in self.model.registered:
             self.model.registered[seq] = False
             self.model.since[seq] = len(self.model.tokens[seq])
-        RELIABILITY_COUNTS["paged prefix machine: resets"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: resets"] += 1
 
     @invariant()
     def pages_hold_every_prefix(self) -> None:
@@ -861,13 +900,20 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         pages = m._pages[0].to_numpy()
         holders: dict[int, int] = {}
         for seq, tokens in self.model.tokens.items():
-            held = m.pages(seq)
+            row = m.pages(seq)
+            # Nothing before the window is held; everything after it is.
+            gone = self.model.first_kept_page(len(tokens))
+            assert row[:gone] == (UNUSED_PAGE,) * gone, (seq, len(tokens), row)
+            held = row[gone:]
+            assert UNUSED_PAGE not in held, (seq, len(tokens), row)
+            assert len(held) >= -(-len(tokens) // PREFIX_PAGE) - gone
             assert len(set(held)) == len(held), f"seq {seq} holds a page twice: {held}"
             for page in held:
                 holders[page] = holders.get(page, 0) + 1
             salt = self.model.salt[seq]
-            for t in range(len(tokens)):
-                read = pages[held[t // PREFIX_PAGE], 0, 0, t % PREFIX_PAGE, 0, 0]
+            # Every position a layer may still attend to reads back its own value.
+            for t in range(self.model.first_visible(len(tokens)), len(tokens)):
+                read = pages[row[t // PREFIX_PAGE], 0, 0, t % PREFIX_PAGE, 0, 0]
                 assert read == kv_value(tokens[: t + 1], salt), (seq, t, tokens)
         for page in range(PREFIX_PAGES):
             assert m.page_refcount(page) == holders.get(page, 0), f"page {page}"
@@ -877,7 +923,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
         assert tiers is not None and tiers.host.used_bytes <= tiers.host.budget_bytes
         stats = m.prefix_cache_stats
         assert (stats.lookups, stats.hit_tokens) == (self.lookups, self.hit_tokens)
-        RELIABILITY_COUNTS["paged prefix machine: steps"] += 1
+        RELIABILITY_COUNTS[f"{self.counts}: steps"] += 1
 
 
 PagedPrefixMachine.TestCase.settings = settings(
@@ -887,6 +933,19 @@ PagedPrefixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPagedPrefixStateMachine = PagedPrefixMachine.TestCase
+
+
+class WindowedPrefixMachine(PagedPrefixMachine):
+    """The same machine on a cache whose layers attend to their last 3 tokens:
+    pages are given back as the window passes them, claims reuse prefixes whose
+    early pages are gone, and fork and pop_n that would reach back into a page
+    given back are refused with nothing changed."""
+
+    WINDOW = 3
+
+
+WindowedPrefixMachine.TestCase.settings = PagedPrefixMachine.TestCase.settings
+TestWindowedPrefixStateMachine = WindowedPrefixMachine.TestCase
 
 
 def test_eight_threads_share_one_manager() -> None:

@@ -42,6 +42,20 @@ continues past the pages found on the device with the blocks a tier holds,
 loading them into fresh pages instead of recomputing them; a block that is
 gone or fails its check ends the reused prefix there.
 
+Sliding windows (``sliding_window=w``: every layer of the model attends to
+at most its last ``w`` tokens): when ``step`` commits tokens, the pages
+wholly before the first position a later token can attend to
+(``length - w + 1``) go back to the pool, or to the prefix cache's queue if
+registered (:class:`~maxkv.cache.window.PageWindow`); a sequence then holds
+at most ``1 + ceil((w - 1) / page_size)`` pages while it decodes, however
+long it runs.  Its page-table row keeps ``UNUSED_PAGE`` where pages were
+given back (the graph inputs point those entries at a page it holds: the
+window's mask keeps the kernels from using them).  ``claim_prefix`` reuses a
+prefix whose early pages are gone when the pages of its last ``w - 1``
+tokens are still cached (vLLM's sliding-window hit rule); ``fork`` and
+``pop_n`` refuse a position whose window would reach a page given back;
+``swap_out`` and the tiers store the pages still held.
+
 Preemption by swap, between rounds: ``swap_out`` copies a sequence's pages to
 host memory (a ``swap_bytes`` budget) and releases them; ``swap_in`` claims a
 sequence again with the same tokens, sharing the pages the device still has
@@ -75,6 +89,7 @@ from .protocol import (
     validate_sizes,
 )
 from .spec import CacheSpec, KVCacheInputs
+from .window import PageWindow
 
 if TYPE_CHECKING:
     from ..tiers.connector import TieredConnector
@@ -98,18 +113,39 @@ class SwappedSequence:
 
     #: Committed tokens.
     length: int
-    #: Its pages, ``[pages, devices, 2, num_layers, page_size, heads, head_dim]``.
+    #: Its pages still held, ``[pages, devices, 2, num_layers, page_size, heads,
+    #: head_dim]``, the first being page ``first_page`` of the sequence.
     blocks: np.ndarray = field(repr=False)
     #: Prefix caching: its committed token ids, salt and full-page hashes.
     tokens: list[int] | None = field(default=None, repr=False)
     salt: str | None = None
     hashes: list[bytes] = field(default_factory=list, repr=False)
+    #: Pages before it were given back (sliding window).
+    first_page: int = 0
     number: int = field(default_factory=lambda: next(_swap_numbers))
 
     @property
     def nbytes(self) -> int:
         """Host memory it takes."""
         return int(self.blocks.nbytes)
+
+
+@dataclass
+class _Prefix:
+    """A prefix a claim can reuse: pages ``[start, start + len(pages))`` on the
+    device, then ``in_tiers`` blocks from the tiers (the pages before ``start``
+    are outside the sliding window)."""
+
+    start: int
+    pages: list[int]
+    #: The hashes of every full page of the prompt (``tokens[:-1]``).
+    hashes: list[bytes]
+    in_tiers: int
+
+    @property
+    def reused(self) -> int:
+        """Pages of the prompt the claim skips."""
+        return self.start + len(self.pages) + self.in_tiers
 
 
 class PagedKVCacheManager(KVCacheManagerBase):
@@ -137,6 +173,11 @@ class PagedKVCacheManager(KVCacheManagerBase):
             host memory, disk, Redis; needs prefix caching and a CPU cache),
             and the swap space budget.  ``None``: no tiers, and swap space
             of ``TierConfig().swap_bytes``.  Call :meth:`close` when done.
+        sliding_window: The model's layers all attend to at most this many
+            tokens (themselves included): pages wholly before every layer's
+            window are given back as tokens are committed.  ``None`` (the
+            default; also for a model where any layer attends to every
+            token): pages are kept until the sequence is released.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -159,8 +200,11 @@ class PagedKVCacheManager(KVCacheManagerBase):
         enable_prefix_caching: bool = False,
         cache_device: CacheDevice | None = None,
         tiers: TierConfig | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, 1)
+        #: Which pages a sequence keeps (every page without a sliding window).
+        self.window = PageWindow(sliding_window, page_size)
         if tiers is not None and not isinstance(tiers, TierConfig):
             raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         if tiers is not None and tiers.any_tier and not enable_prefix_caching:
@@ -183,6 +227,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._free_seq_ids: set[int] = set(range(self.max_batch_size))
         self._pool = PagePool(self.num_pages)
         self._page_lists: dict[int, list[int]] = {}
+        #: Per sequence, how many pages at the start of its list it gave back.
+        self._given_back: dict[int, int] = {}
         self._prefix_caching = bool(enable_prefix_caching)
         #: Prefix caching, per sequence: committed token ids, salt, and the
         #: hashes of its full pages (the chain its next full page extends).
@@ -236,7 +282,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             return self._pool.free_count
 
     def pages(self, seq_id: int) -> tuple[int, ...]:
-        """The pages ``seq_id`` holds, in token order (its page-table row).
+        """The pages ``seq_id`` holds, in token order (its page-table row), with
+        :data:`UNUSED_PAGE` in place of the pages it gave back (sliding window).
 
         Raises:
             ValueError: If ``seq_id`` is not claimed.
@@ -260,7 +307,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             return self._pool.is_cached(page)
 
     def storage_units(self, tokens: int) -> int:
-        """Pages a sequence of ``tokens`` tokens holds."""
+        """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
+        step computes them at once (with a sliding window, fewer once committed:
+        :meth:`PageWindow.live_pages <maxkv.cache.window.PageWindow.live_pages>`)."""
         return math.ceil(tokens / self.page_size)
 
     @property
@@ -281,17 +330,18 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._require_prefix_caching("prefix_block_size")
         return self.page_size
 
-    def _prefix_blocks(
-        self, tokens: list[int], salt: str | None, *, tiers: bool = True
-    ) -> tuple[list[int], list[bytes], int]:
-        """The longest page-aligned prefix of ``tokens[:-1]`` held somewhere: the
-        registered device pages of its start, the hashes of all its full pages,
-        and how many hashes after the device's a tier holds (not asked if not
-        ``tiers``: 0)."""
-        pages: list[int] = []
+    def _prefix_plan(self, tokens: list[int], salt: str | None, *, tiers: bool = True) -> _Prefix:
+        """The longest page-aligned prefix of ``tokens[:-1]`` a claim can reuse now.
+
+        Held from its start: registered device pages, then blocks a tier holds
+        (not asked if not ``tiers``).  With a sliding window, also a prefix
+        whose early pages are gone but whose last ``window - 1`` tokens' pages
+        are on the device (vLLM's sliding-window hit rule, searched from the
+        right); the longer one wins."""
         hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
-        for block in hashes:
-            page = self._pool.lookup(block)
+        found = [self._pool.lookup(block) for block in hashes]
+        pages: list[int] = []
+        for page in found:
             if page is None:
                 break
             pages.append(page)
@@ -299,22 +349,37 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if tiers and self._connector is not None and len(pages) < len(hashes):
             from ..tiers.connector import LEAF
 
-            found = self._connector.lookup(hashes[len(pages) :])[LEAF]
-            while in_tiers < len(found) and found[in_tiers]:
+            held = self._connector.lookup(hashes[len(pages) :])[LEAF]
+            while in_tiers < len(held) and held[in_tiers]:
                 in_tiers += 1
-        return pages, hashes, in_tiers
+        best = _Prefix(0, pages, hashes, in_tiers)
+        if self.window.slides:
+            run = 0  # device pages found in a row, ending at page m - 1
+            runs = []
+            for page in found:
+                run = run + 1 if page is not None else 0
+                runs.append(run)
+            for m in range(len(hashes), best.reused, -1):
+                start = self.window.first_live_page(m * self.page_size)
+                if runs[m - 1] >= m - start:
+                    live = [p for p in found[start:m] if p is not None]
+                    best = _Prefix(start, live, hashes, 0)
+                    break
+        return best
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
         """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
-        take now: its pages, less the cached ones other sequences hold (free cached
-        pages and pages loaded from the tiers come from the free pages too)."""
+        take now: its pages, less the cached ones other sequences hold and those
+        before its window (free cached pages and pages loaded from the tiers come
+        from the free pages too)."""
         with self._lock:
             tokens = self._prompt(prompt)
-            held = 0
+            held = start = 0
             if self._prefix_caching:
-                pages, _, _ = self._prefix_blocks(tokens, salt, tiers=False)
-                held = sum(1 for p in pages if self._pool.refcount(p) > 0)
-            return self.storage_units(len(tokens)) - held
+                plan = self._prefix_plan(tokens, salt, tiers=False)
+                held = sum(1 for p in plan.pages if self._pool.refcount(p) > 0)
+                start = plan.start
+            return self.storage_units(len(tokens)) - start - held
 
     @property
     def host_pages(self) -> bool:
@@ -323,11 +388,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
         """Pages of ``prompt``'s prefix :meth:`claim_prefix` would reuse now: ``(on the
-        device, then from the KV tiers)`` (no change; MAX's ``PrefixCacheHits``)."""
+        device, then from the KV tiers)`` (no change; MAX's ``PrefixCacheHits``).  The
+        pages before a sliding window, which a claim does not need, count as on the
+        device."""
         with self._lock:
             self._require_prefix_caching("prefix_hits")
-            pages, _, in_tiers = self._prefix_blocks(self._prompt(prompt), salt)
-            return len(pages), in_tiers
+            plan = self._prefix_plan(self._prompt(prompt), salt)
+            return plan.start + len(plan.pages), plan.in_tiers
 
     def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:
         """A request arrived: the blocks of its prefix that only the disk or Redis tier
@@ -336,28 +403,33 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if self._connector is None or not self._prefix_caching:
             return
         with self._lock:
-            pages, hashes, _ = self._prefix_blocks(self._prompt(prompt), salt, tiers=False)
-        self._connector.store.prefetch(hashes[len(pages) :], tenant=salt)
+            plan = self._prefix_plan(self._prompt(prompt), salt, tiers=False)
+        if plan.start == 0:
+            self._connector.store.prefetch(plan.hashes[len(plan.pages) :], tenant=salt)
 
     def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
-        pages, _, in_tiers = self._prefix_blocks(tokens, salt)
-        return (len(pages) + in_tiers) * self.page_size
+        return self._prefix_plan(tokens, salt).reused * self.page_size
 
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
-        pages, hashes, in_tiers = self._prefix_blocks(tokens, salt)
+        plan = self._prefix_plan(tokens, salt)
         (seq_id,) = self._storage_claim(1)
+        pages = plan.pages
         self._pool.share(pages)
+        on_device = plan.start + len(pages)
         if self._connector is not None and pages:
-            self._connector.touch(hashes[: len(pages)])
-        on_device = len(pages)
-        if in_tiers:
-            pages += self._load_from_tiers(hashes[on_device : on_device + in_tiers], salt)
-        self.tier_hit_tokens += (len(pages) - on_device) * self.page_size
-        cached = len(pages) * self.page_size
-        self._page_lists[seq_id] = pages
+            self._connector.touch(plan.hashes[plan.start : on_device])
+        if plan.in_tiers:
+            pages += self._load_from_tiers(plan.hashes[on_device : on_device + plan.in_tiers], salt)
+        reused = plan.start + len(pages)
+        self.tier_hit_tokens += (reused - on_device) * self.page_size
+        cached = reused * self.page_size
+        self._page_lists[seq_id] = [UNUSED_PAGE] * plan.start + pages
+        self._given_back[seq_id] = plan.start
         self._tokens[seq_id] = tokens[:cached]
         self._salts[seq_id] = salt
-        self._hashes[seq_id] = hashes[: len(pages)]
+        self._hashes[seq_id] = plan.hashes[:reused]
+        self._lengths[seq_id] = cached
+        self._give_back(seq_id)
         return seq_id, cached
 
     def _load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
@@ -487,7 +559,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
             io = PageBuffers(self._pages)
-            held = self._page_lists[seq]
+            gone = self._given_back[seq]
+            held = self._page_lists[seq][gone:]
             nbytes = len(held) * io.page_nbytes
             budget = self._tier_config.swap_bytes
             if self.swapped_bytes + nbytes > budget:
@@ -505,6 +578,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 tokens=list(self._tokens[seq]) if self._prefix_caching else None,
                 salt=self._salts.get(seq),
                 hashes=list(self._hashes.get(seq, [])),
+                first_page=gone,
             )
             self._swapped[swapped.number] = nbytes
             self.release(seq)
@@ -519,7 +593,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _swap_in_hits(self, swapped: SwappedSequence) -> list[int | None]:
         """Per page of ``swapped``: the device page registered under its hash, if any."""
-        hashes = swapped.hashes
+        hashes = swapped.hashes[swapped.first_page :]
         return [
             self._pool.lookup(hashes[i]) if i < len(hashes) else None
             for i in range(len(swapped.blocks))
@@ -558,18 +632,20 @@ class PagedKVCacheManager(KVCacheManagerBase):
             self._pool.share([p for p in cached if p is not None])
             fresh = iter(self._pool.allocate(new))
             io = PageBuffers(self._pages)
-            pages = []
+            hashes = swapped.hashes[swapped.first_page :]
+            pages = [UNUSED_PAGE] * swapped.first_page
             for i, hit in enumerate(cached):
                 if hit is not None:
                     pages.append(hit)
                     continue
                 page = next(fresh)
                 io.write(page, swapped.blocks[i])
-                if i < len(swapped.hashes):
-                    self._pool.register(page, swapped.hashes[i])
+                if i < len(hashes):
+                    self._pool.register(page, hashes[i])
                 pages.append(page)
             (seq,) = self._storage_claim(1)
             self._page_lists[seq] = pages
+            self._given_back[seq] = swapped.first_page
             self._lengths[seq] = swapped.length
             if self._prefix_caching:
                 self._tokens[seq] = list(swapped.tokens or [])
@@ -592,12 +668,14 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id in seq_ids:
             self._free_seq_ids.remove(seq_id)
             self._page_lists[seq_id] = []
+            self._given_back[seq_id] = 0
             if self._prefix_caching:
                 self._tokens[seq_id], self._salts[seq_id], self._hashes[seq_id] = [], None, []
 
     def _storage_release(self, seq_id: int) -> None:
         # Last page first: a sequence's prefix outlives its tail in the cache.
-        self._pool.free(reversed(self._page_lists.pop(seq_id)))
+        gone = self._given_back.pop(seq_id, 0)
+        self._pool.free(reversed(self._page_lists.pop(seq_id)[gone:]))
         self._free_seq_ids.add(seq_id)
         for records in (self._tokens, self._salts, self._hashes):
             records.pop(seq_id, None)
@@ -634,7 +712,36 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_room(self, seq_id: int) -> int:
         return len(self._page_lists[seq_id]) * self.page_size
 
+    def _storage_committed(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._give_back(seq_id)
+
+    def _give_back(self, seq_id: int) -> None:
+        """Frees the pages of ``seq_id`` that are wholly before its window now (the
+        oldest first, so that the prefix cache evicts them first)."""
+        first = self.window.first_live_page(self._lengths[seq_id])
+        gone = self._given_back[seq_id]
+        if first <= gone:
+            return
+        held = self._page_lists[seq_id]
+        self._pool.free(held[gone:first])
+        held[gone:first] = [UNUSED_PAGE] * (first - gone)
+        self._given_back[seq_id] = first
+
+    def _check_window(self, seq_id: int, length: int, what: str) -> None:
+        """Raises if a sequence ``seq_id`` cut to ``length`` tokens would attend to
+        positions whose pages it gave back."""
+        gone = self._given_back[seq_id]
+        if self.window.first_live_page(length) < gone:
+            raise ValueError(
+                f"{what}: at {length} tokens seq_id {seq_id}'s sliding window of "
+                f"{self.window.window} tokens reaches back to position "
+                f"{self.window.first_needed_position(length)}, but its pages before "
+                f"position {gone * self.page_size} were given back"
+            )
+
     def _storage_truncate(self, seq_id: int, length: int) -> None:
+        self._check_window(seq_id, length, "cannot pop_n")
         held = self._page_lists[seq_id]
         keep = self.storage_units(length)
         self._pool.free(reversed(held[keep:]))
@@ -646,18 +753,21 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
         full = fork_pos // self.page_size
         partial = fork_pos % self.page_size
+        self._check_window(parent, fork_pos, "cannot fork")
         if partial and self._pool.free_count < 1:
             raise CacheFullError(
                 f"cannot fork seq_id {parent} at {fork_pos}: its partial page needs a copy "
                 "and no page is free"
             )
+        start = self.window.first_live_page(fork_pos)
         parent_pages = self._page_lists[parent]
-        shared = parent_pages[:full]
+        shared = parent_pages[start:full]
         self._pool.share(shared)
-        child_pages = list(shared)
+        child_pages = [UNUSED_PAGE] * start + shared
         if partial:
             child_pages += self._pool.allocate(1)
         self._page_lists[child] = child_pages
+        self._given_back[child] = start
         if self._prefix_caching:
             self._tokens[child] = self._tokens[parent][:fork_pos]
             self._salts[child] = self._salts[parent]
@@ -697,4 +807,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         table = np.full((len(page_lists), self.max_pages_per_seq), UNUSED_PAGE, dtype=np.uint32)
         for row, held in enumerate(page_lists):
             table[row, : len(held)] = held
+            gone = held.count(UNUSED_PAGE)  # given back: all at the start
+            if 0 < gone < len(held):
+                # Never read (outside the window), but a valid page for the kernels.
+                table[row, :gone] = held[gone]
         return device_inputs(self._pages, self.devices, lengths, table, max_lengths)

@@ -201,7 +201,11 @@ class KVCacheManagerBase(ABC):
 
     @abstractmethod
     def _storage_truncate(self, seq_id: int, length: int) -> None:
-        """The sequence now holds ``length`` tokens (``pop_n``)."""
+        """The sequence will hold ``length`` tokens (``pop_n``; ``_lengths`` still has
+        the old length); raises ``ValueError`` (changing nothing) if it cannot."""
+
+    def _storage_committed(self, seq_ids: list[int]) -> None:  # noqa: B027 (optional hook)
+        """``step`` committed tokens of ``seq_ids`` (``_lengths`` is updated)."""
 
     @abstractmethod
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
@@ -597,6 +601,7 @@ class KVCacheManagerBase(ABC):
             for seq_id, count in counts.items():
                 self._lengths[seq_id] += count
             self._on_commit(token_lists)
+            self._storage_committed(list(counts))
 
     def release(self, seq_id: int) -> None:
         """Protocol step 4: frees ``seq_id`` and its storage.
@@ -653,7 +658,9 @@ class KVCacheManagerBase(ABC):
         """Between rounds: drops the last ``n`` committed tokens of ``seq_id``.
 
         Raises:
-            ValueError: If ``seq_id`` is not claimed or not ``0 < n <= length``.
+            ValueError: If ``seq_id`` is not claimed, not ``0 < n <= length``, or
+                (paged, sliding window) the shorter sequence would attend to
+                tokens whose pages were given back.
         """
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
@@ -662,8 +669,8 @@ class KVCacheManagerBase(ABC):
                 raise ValueError(
                     f"cannot pop {count} tokens: seq_id {seq} holds {self._lengths[seq]}"
                 )
+            self._storage_truncate(seq, self._lengths[seq] - count)
             self._lengths[seq] -= count
-            self._storage_truncate(seq, self._lengths[seq])
 
     @property
     def copies_supported(self) -> bool:

@@ -161,6 +161,16 @@ class DecoderConfig:
         """Whether any layer has a sliding window."""
         return any(w is not None for w in self.layer_windows)
 
+    @property
+    def cache_window(self) -> int | None:
+        """The sliding window a paged cache gives pages back by
+        (``PagedKVCacheManager(sliding_window=...)``): the widest layer window when
+        every layer slides; ``None`` when some layer attends to every token."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     def rope_name(self, layer: int) -> str:
         """The RoPE table graph weight layer ``layer`` rotates with: ``rope_local.freqs_cis``
         for a sliding layer with a local RoPE, else ``rope.freqs_cis``."""

@@ -60,7 +60,7 @@ from max.pipelines.kv_cache.kv_connector import CompletedTransfer
 from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
 
-from ...cache.paged import PagedKVCacheManager
+from ...cache.paged import UNUSED_PAGE, PagedKVCacheManager
 from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import KVCacheInputs
@@ -286,13 +286,13 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         if seq is None:
             return {"0": []}
         if isinstance(self.manager, PagedKVCacheManager):
-            return {"0": list(self.manager.pages(seq))}
+            return {"0": [p for p in self.manager.pages(seq) if p != UNUSED_PAGE]}
         return {"0": [seq]}
 
     @property
     def effective_max_seq_length(self) -> int | None:
         m = self.manager
-        if isinstance(m, PagedKVCacheManager):
+        if isinstance(m, PagedKVCacheManager) and not m.window.slides:
             return min(m.max_seq_len, m.num_pages * m.page_size)
         return m.max_seq_len
 

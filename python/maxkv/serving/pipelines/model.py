@@ -69,6 +69,9 @@ CACHE_KINDS = ("paged", "contiguous")
 PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
 #: Tokens per page unless set (vLLM's default block size).
 DEFAULT_PAGE_SIZE = 16
+#: Set to ``1``: a model whose layers all slide keeps every page of a request
+#: until it ends, as maxkv did before it gave pages back (for comparisons).
+KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
 
@@ -194,6 +197,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             prefix_caching=self.kv_cache_config.enable_prefix_caching,
             available=self.memory_plan.available_cache_memory,
             tiers=TierConfig.from_env(model_identity(path)),
+            sliding_window=None if keep_window_pages() else config.cache_window,
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
@@ -310,6 +314,18 @@ def tokens_per_page(kv_cache_page_size: int) -> int:
     return DEFAULT_PAGE_SIZE
 
 
+def keep_window_pages() -> bool:
+    """Whether :data:`KEEP_WINDOW_PAGES_ENV` asks to keep the pages a window passed.
+
+    Raises:
+        ValueError: If it is set to something other than ``0`` or ``1``.
+    """
+    value = os.environ.get(KEEP_WINDOW_PAGES_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{KEEP_WINDOW_PAGES_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def build_manager(
     kind: str,
     params: KVCacheParams,
@@ -323,6 +339,7 @@ def build_manager(
     prefix_caching: bool,
     available: int | None,
     tiers: TierConfig | None = None,
+    sliding_window: int | None = None,
 ) -> KVCacheManagerBase:
     """maxkv's manager of ``kind`` for MAX's settings.
 
@@ -332,6 +349,8 @@ def build_manager(
     (ids cost nothing; pages bound the cache).  Contiguous: ``max_batch_size``
     slots of ``max_seq_len`` tokens.  ``tiers`` apply to a paged cache with
     prefix caching on CPU devices (and are left off, with a log line, elsewhere).
+    ``sliding_window`` (paged): the model's layers all slide, and the pages
+    before their window are given back as requests run.
 
     Raises:
         CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
@@ -368,6 +387,7 @@ def build_manager(
             session,
             enable_prefix_caching=prefix_caching,
             tiers=tiers,
+            sliding_window=sliding_window,
         )
     check_cache_fits(
         ContinuousBatchingKVCacheManager.estimated_memory_size(
@@ -415,9 +435,11 @@ def describe(manager: KVCacheManagerBase) -> str:
             if c.disk_dir is not None or c.redis_url is not None:
                 parts.append(tiers.security)
             where = ", KV tiers: " + ", ".join(parts)
+        window = manager.window.window
+        given_back = "" if window is None else f", pages before its {window}-token window freed"
         return (
             f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
-            f"({size / 2**20:.1f} MiB), {prefix}{where}"
+            f"({size / 2**20:.1f} MiB){given_back}, {prefix}{where}"
         )
     assert isinstance(manager, ContinuousBatchingKVCacheManager)
     size = manager.estimated_memory_size(

@@ -1,0 +1,209 @@
+"""Sliding windows in the paged manager: pages no layer can attend to are given back.
+
+On a NumPy device layer (no MAX session): the bound on pages held at any
+length, the page-table row the kernels get, and how prefix caching, fork,
+pop_n and swap behave once a sequence has given pages back.  The hypothesis
+state machine of ``test_reliability`` (``WindowedPrefixMachine``) checks the
+same rules on random interleavings; ``test_families`` checks Mistral's tokens
+against transformers with pages given back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from maxkv import KVCacheParams
+from maxkv.cache.paged import UNUSED_PAGE, PagedKVCacheManager
+from maxkv.cache.window import PageWindow
+from maxkv.errors import ArgumentTypeError
+from maxkv.models.config import DecoderConfig
+from maxkv.tiers import TierConfig
+
+from . import fakes
+
+pytestmark = pytest.mark.unit
+
+PARAMS = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=2)
+PAGE = 4
+WINDOW = 10
+
+
+def manager(num_pages: int = 16, **kw: object) -> PagedKVCacheManager:
+    kw.setdefault("sliding_window", WINDOW)
+    return fakes.paged(PARAMS, PAGE, num_pages, 4, 4096, **kw)
+
+
+def run(m: PagedKVCacheManager, seq: int, tokens: list[int], chunk: int = 1) -> None:
+    """Commits ``tokens`` in steps of ``chunk``, each token's value written at its
+    position through the page table (as a kernel would)."""
+    for start in range(0, len(tokens), chunk):
+        ids = tokens[start : start + chunk]
+        (inputs,) = m.fetch([seq], 1, active_lengths=[len(ids)])
+        pages, table = inputs[0].to_numpy(), inputs[2].to_numpy()
+        length = m.cache_lengths[seq]
+        for i, token in enumerate(ids):
+            t = length + i
+            pages[table[0, t // PAGE], :, 0, t % PAGE] = token
+        m.step({seq: len(ids)}, tokens={seq: ids} if m.prefix_caching else None)
+
+
+def window_values(m: PagedKVCacheManager, seq: int) -> list[float]:
+    """The values of the positions ``seq``'s next token attends to, read through its pages."""
+    length = m.cache_lengths[seq]
+    row = m.pages(seq)
+    pages = m._pages[0].to_numpy()
+    first = m.window.first_needed_position(length)
+    return [float(pages[row[t // PAGE], 0, 0, t % PAGE, 0, 0]) for t in range(first, length)]
+
+
+def test_page_window_arithmetic() -> None:
+    w = PageWindow(WINDOW, PAGE)
+    assert [w.first_needed_position(n) for n in (0, 9, 10, 11, 23)] == [0, 0, 1, 2, 14]
+    assert [w.first_live_page(n) for n in (0, 12, 13, 23)] == [0, 0, 1, 3]
+    assert w.live_pages(23) == 6 - 3
+    assert w.max_live_pages() == 1 + -(-(WINDOW - 1) // PAGE)
+    assert PageWindow(None, PAGE).max_live_pages() is None
+    assert not PageWindow(None, PAGE).slides and w.slides
+    with pytest.raises(ValueError, match="sliding_window"):
+        PageWindow(0, PAGE)
+    with pytest.raises(ArgumentTypeError):
+        PageWindow(True, PAGE)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="sliding_window"):
+        fakes.paged(PARAMS, PAGE, 8, 2, 64, sliding_window=10.0)
+
+
+def test_a_sequence_holds_its_window_however_long_it_runs() -> None:
+    """3,000 decode steps through 16 pages: the sequence never holds more than the
+    window's pages plus one, every position its next token attends to reads back,
+    and the pages before the window are free (its row shows UNUSED_PAGE there)."""
+    m = manager()
+    (seq,) = m.claim(1)
+    bound = m.window.max_live_pages()
+    assert bound == 4
+    run(m, seq, list(range(1, 31)), chunk=7)  # a prefill in chunks, then decode
+    for token in range(31, 3001):
+        run(m, seq, [token])
+        row = m.pages(seq)
+        held = [p for p in row if p != UNUSED_PAGE]
+        assert len(held) <= bound
+        assert m.free_pages == 16 - len(held)
+        assert row[: len(row) - len(held)] == (UNUSED_PAGE,) * (len(row) - len(held))
+    assert window_values(m, seq) == [float(t) for t in range(3000 - WINDOW + 2, 3001)]
+    m.release(seq)
+    assert m.free_pages == 16
+
+
+def test_the_kernels_get_a_held_page_where_pages_were_given_back() -> None:
+    m = manager()
+    (seq,) = m.claim(1)
+    run(m, seq, list(range(1, 40)))
+    (inputs,) = m.fetch([seq], 1)
+    row = m.pages(seq)
+    table = inputs[2].to_numpy()[0]
+    gone = row.count(UNUSED_PAGE)
+    assert gone == m.window.first_live_page(39) > 0
+    # Valid page ids only (never read: outside the window), then the held pages.
+    assert list(table[:gone]) == [row[gone]] * gone
+    assert list(table[gone : len(row)]) == list(row[gone:])
+
+
+def test_pop_n_and_fork_refuse_to_reach_back_into_given_back_pages() -> None:
+    m = manager()
+    (seq,) = m.claim(1)
+    run(m, seq, list(range(1, 28)))  # 27 tokens: the next attends from 18, on page 4
+    assert m.pages(seq)[:4] == (UNUSED_PAGE,) * 4
+    before = (dict(m.cache_lengths), m.free_pages, m.pages(seq))
+    with pytest.raises(ValueError, match="given back"):
+        m.pop_n(seq, 3)  # at 24 tokens the window starts at 15, on page 3
+    with pytest.raises(ValueError, match="given back"):
+        m.fork(seq, 24)
+    assert (dict(m.cache_lengths), m.free_pages, m.pages(seq)) == before
+    m.pop_n(seq, 2)  # at 25 tokens it starts at 16: page 4 is held
+    assert m.cache_lengths[seq] == 25
+    child = m.fork(seq, 25)
+    assert m.pages(child)[:4] == (UNUSED_PAGE,) * 4
+    assert window_values(m, child) == window_values(m, seq)
+    run(m, child, [100, 101])
+    run(m, seq, [200])
+    assert window_values(m, child)[-2:] == [100.0, 101.0]
+    assert window_values(m, seq)[-1] == 200.0
+
+
+def test_a_prefix_is_reused_from_its_window_when_its_start_is_gone() -> None:
+    """vLLM's sliding-window hit rule: the pages of the last window - 1 tokens of the
+    prefix are enough; the longest such prefix wins (searched from the right)."""
+    m = manager(num_pages=24, enable_prefix_caching=True)
+    prompt = list(range(1, 41))
+    (seq,) = m.claim(1)
+    run(m, seq, prompt, chunk=8)
+    m.release(seq)
+    # Pages 0..6 went back to the free queue first: a sequence taking all free
+    # pages but 3 evicts them (after the pages that never held anything).
+    (filler,) = m.claim(1)
+    m.reserve({filler: (m.free_pages - 3) * PAGE})
+    m.release(filler)
+    assert m.prefix_cache_stats.cached_pages == 3  # the window's: 28..39
+    follow_up = [*prompt, 41, 42]
+    assert m.cached_prefix_length(follow_up) == 40
+    new, cached = m.claim_prefix(follow_up)
+    assert cached == 40
+    row = m.pages(new)
+    assert row[: m.window.first_live_page(40)] == (UNUSED_PAGE,) * 7
+    assert window_values(m, new) == [float(t) for t in range(40 - WINDOW + 2, 41)]
+    assert m.pages_to_claim(follow_up) == 11 - 7 - 3  # pages past the window, less held
+    # A prefix whose window's pages are gone too is not found.
+    (other,) = m.claim(1)
+    m.reserve({other: m.free_pages * PAGE})
+    m.release(other)
+    m.release(new)
+    (other,) = m.claim(1)
+    m.reserve({other: m.free_pages * PAGE})
+    assert m.cached_prefix_length(follow_up) == 0
+
+
+def test_swap_keeps_only_the_window() -> None:
+    m = manager(tiers=TierConfig(swap_bytes=2**20), enable_prefix_caching=True)
+    (seq,) = m.claim(1)
+    run(m, seq, list(range(1, 34)), chunk=5)
+    values = window_values(m, seq)
+    swapped = m.swap_out(seq)
+    assert swapped.first_page == m.window.first_live_page(33)
+    assert len(swapped.blocks) == m.window.live_pages(33)
+    (filler,) = m.claim(1)
+    m.reserve({filler: m.free_pages * PAGE})  # evicts the pages the device had cached
+    m.release(filler)
+    new = m.swap_in(swapped)
+    assert window_values(m, new) == values
+    run(m, new, [34])
+    assert window_values(m, new)[-1] == 34.0
+    m.close()
+
+
+def test_cache_window_of_a_model() -> None:
+    base = dict(
+        vocab_size=8,
+        hidden_size=4,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=4,
+    )
+    assert DecoderConfig(**base).cache_window is None  # type: ignore[arg-type]
+    assert DecoderConfig(**base, layer_windows=(256, 128)).cache_window == 256  # type: ignore[arg-type]
+    assert DecoderConfig(**base, layer_windows=(256, None)).cache_window is None  # type: ignore[arg-type]
+
+
+def test_release_frees_only_held_pages() -> None:
+    m = manager(num_pages=8)
+    seqs = m.claim(2)
+    for seq in seqs:
+        run(m, seq, list(range(1, 30)), chunk=3)
+    assert m.free_pages == 8 - sum(len([p for p in m.pages(s) if p != UNUSED_PAGE]) for s in seqs)
+    for seq in seqs:
+        m.release(seq)
+    assert m.free_pages == 8
+    assert all(m.page_refcount(p) == 0 for p in range(8))
+    assert np.isfinite(m._pages[0].to_numpy()).all()
