@@ -69,6 +69,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 SLIDING = ("mistral", "gemma3")
 #: Families whose every layer slides (the paged cache gives pages back).
 ALL_SLIDING = ("mistral",)
+#: Families with sliding and full-attention layers (a hybrid cache).
+HYBRID = ("gemma3",)
 
 
 def hf_family_config(family: str, **overrides: Any) -> Any:

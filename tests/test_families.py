@@ -28,13 +28,20 @@ import pytest
 from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
-from maxkv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from maxkv import ContinuousBatchingKVCacheManager, HybridKVCacheManager, PagedKVCacheManager
 from maxkv.cache.paged import UNUSED_PAGE
 from maxkv.models import DecoderModel, ModelLoadError, load_model
 from maxkv.models.decoder import cache_params
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
-from .family_checkpoints import ALL_SLIDING, FAMILIES, SLIDING, WINDOW, save_family_checkpoint
+from .family_checkpoints import (
+    ALL_SLIDING,
+    FAMILIES,
+    HYBRID,
+    SLIDING,
+    WINDOW,
+    save_family_checkpoint,
+)
 
 pytest.importorskip("torch")  # transformers writes the checkpoints and is the reference
 
@@ -82,42 +89,62 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
     max_batch = 3
     max_len = max(len(p) for p in prompts) + NEW_TOKENS
     pages = max_batch * -(-max_len // PAGE_SIZE) + 16
-    manager = PagedKVCacheManager(
-        cache_params(config),
-        PAGE_SIZE,
-        pages,
-        max_batch,
-        max_len,
-        config.num_hidden_layers,
-        [CPU()],
-        session,
-        enable_prefix_caching=True,
-        sliding_window=config.cache_window,
-    )
+    manager: PagedKVCacheManager | HybridKVCacheManager
+    if family in HYBRID:  # a layer group per window: the sliding layers give pages back
+        manager = HybridKVCacheManager(
+            cache_params(config),
+            PAGE_SIZE,
+            [pages, pages],
+            max_batch,
+            max_len,
+            config.layer_windows,
+            [CPU()],
+            session,
+            enable_prefix_caching=True,
+        )
+        groups = manager.groups
+    else:
+        manager = PagedKVCacheManager(
+            cache_params(config),
+            PAGE_SIZE,
+            pages,
+            max_batch,
+            max_len,
+            config.num_hidden_layers,
+            [CPU()],
+            session,
+            enable_prefix_caching=True,
+            sliding_window=config.cache_window,
+        )
+        groups = [manager]
     assert (config.cache_window is not None) == (family in ALL_SLIDING)
     model = DecoderModel(config, weights, manager, session)
     scheduler = ContinuousBatchingScheduler(model, manager, max_batch, num_steps=2)
     for prompt in prompts:
         scheduler.submit(prompt, NEW_TOKENS)
-    # After every commit, a sequence of a model whose layers all slide holds only
-    # its window's pages (and the one its next step reserved).
+    # After every commit, a sequence holds only its window's pages (and the one its
+    # next step reserved) in a sliding group, every page in a full-attention one.
     held_after_steps: list[int] = []
     commit = manager.step
 
     def step(*args: Any, **kwargs: Any) -> None:
         commit(*args, **kwargs)
-        for seq in manager.cache_lengths:
-            row = manager.pages(seq)
-            held_after_steps.append(len(row) - row.count(UNUSED_PAGE))
-            if config.cache_window is None:
-                assert UNUSED_PAGE not in row
+        for group in groups:
+            for seq in group.cache_lengths:
+                row = group.pages(seq)
+                if group.window.slides:
+                    held_after_steps.append(len(row) - row.count(UNUSED_PAGE))
+                else:
+                    assert UNUSED_PAGE not in row
 
     manager.step = step  # type: ignore[method-assign]
     outputs, _ = scheduler.run()
     assert outputs == expected
     assert manager.prefix_cache_stats.hit_tokens > 0  # the shared prefix was reused
-    if config.cache_window is not None:
-        bound = manager.window.max_live_pages()
+    sliding = [g for g in groups if g.window.slides]
+    assert bool(sliding) == (family in SLIDING)
+    for group in sliding:
+        bound = group.window.max_live_pages()
         assert bound is not None and max(held_after_steps) <= bound + 1
         assert max(held_after_steps) < -(-max(len(p) for p in prompts) // PAGE_SIZE)
 

@@ -18,6 +18,7 @@ from max.driver import Device
 from max.engine import InferenceSession
 
 from ..cache.protocol import KVCacheManagerBase
+from ..cache.spec import KVCacheInputs
 from ..models.config import DecoderConfig
 from ..models.decoder import graph_weights
 from .executor import CacheBlendExecutor
@@ -91,9 +92,10 @@ class BlendedPrefill:
         if manager.cache_lengths[seq_id] != 0:
             raise ValueError(f"seq_id {seq_id} must be empty for a blended prefill")
         (inputs,) = manager.fetch([seq_id], active_lengths=[len(tokens)])
+        kv = KVCacheInputs(*inputs)  # one cache of every layer (not a hybrid one)
         layers = self._layers(tokens, task, executor)
         for layer, (k, v) in enumerate(layers):
-            self.graphs.write(manager, inputs, layer, k, v)
+            self.graphs.write(manager, kv, layer, k, v)
         manager.step({seq_id: len(tokens)})
         assert self._last_hidden is not None
         logits: np.ndarray = self.graphs.head(self.weights, self._last_hidden)[0]

@@ -7,7 +7,10 @@
   (TVM's steps, written once), validation, the lock.
 - :mod:`~maxkv.cache.contiguous`: :class:`ContinuousBatchingKVCacheManager`,
   one slot per sequence (MAX 24.x's design).
-- :mod:`~maxkv.cache.paged`: :class:`PagedKVCacheManager`, pages (TVM's design).
+- :mod:`~maxkv.cache.paged`: :class:`PagedKVCacheManager`, pages (TVM's design),
+  given back outside a sliding window (:mod:`~maxkv.cache.window`).
+- :mod:`~maxkv.cache.hybrid`: :class:`HybridKVCacheManager`, layer groups by
+  sliding window, each a paged cache of its own (hybrid models: Gemma 3).
 - :mod:`~maxkv.cache.page_pool`: reference-counted pages and the prefix
   cache over them; :mod:`~maxkv.cache.prefix`: the chained block hashes and
   the contiguous cache's prefix index.
@@ -17,11 +20,20 @@
 
 from ..errors import ArgumentTypeError, CacheFullError
 from .contiguous import ContinuousBatchingKVCacheManager
+from .hybrid import HybridKVCacheManager
 from .paged import UNUSED_PAGE, PagedKVCacheManager
 from .params import SUPPORTED_DTYPES, KVCacheParams
 from .prefix import PrefixCacheStats
 from .protocol import CacheDevice, KVCacheManagerBase
-from .spec import CACHE_KINDS, CacheKind, CacheSpec, KVCacheInputs, KVCacheInputSymbols
+from .spec import (
+    CACHE_KINDS,
+    CacheInputs,
+    CacheKind,
+    CacheSpec,
+    HybridCacheSpec,
+    KVCacheInputs,
+    KVCacheInputSymbols,
+)
 
 __all__ = [
     "CACHE_KINDS",
@@ -30,9 +42,12 @@ __all__ = [
     "ArgumentTypeError",
     "CacheDevice",
     "CacheFullError",
+    "CacheInputs",
     "CacheKind",
     "CacheSpec",
     "ContinuousBatchingKVCacheManager",
+    "HybridCacheSpec",
+    "HybridKVCacheManager",
     "KVCacheInputSymbols",
     "KVCacheInputs",
     "KVCacheManagerBase",

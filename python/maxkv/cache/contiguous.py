@@ -37,7 +37,7 @@ from .protocol import (
     require_int,
     validate_sizes,
 )
-from .spec import CacheSpec, KVCacheInputs
+from .spec import CacheInputs, CacheSpec
 
 __all__ = ["ContinuousBatchingKVCacheManager"]
 
@@ -254,9 +254,9 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
 
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
-    ) -> list[KVCacheInputs]:
+    ) -> list[CacheInputs]:
         slots = np.array(seq_ids, dtype=np.uint32)
-        return device_inputs(self._blocks, self.devices, lengths, slots, max_lengths)
+        return [*device_inputs(self._blocks, self.devices, lengths, slots, max_lengths)]
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         if self._prefix is not None:
@@ -279,5 +279,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         """Copies ``source``'s first ``length`` tokens into ``destination`` on every device."""
         lengths = np.array([length, 0], dtype=np.uint32)
         max_lengths = np.array([[0, length]], dtype=np.uint32)
-        inputs = self._storage_inputs([source, destination], lengths, max_lengths)
+        slots = np.array([source, destination], dtype=np.uint32)
+        inputs = device_inputs(self._blocks, self.devices, lengths, slots, max_lengths)
         self._copy_tokens(inputs, 0, length)

@@ -88,7 +88,7 @@ from .protocol import (
     require_int,
     validate_sizes,
 )
-from .spec import CacheSpec, KVCacheInputs
+from .spec import CacheInputs, CacheSpec, KVCacheInputs
 from .window import PageWindow
 
 if TYPE_CHECKING:
@@ -276,6 +276,18 @@ class PagedKVCacheManager(KVCacheManagerBase):
     # ------------------------------------------------------------ page state
 
     @property
+    def nbytes_per_page(self) -> int:
+        """Bytes one page takes on all devices together."""
+        return self.estimated_memory_size(
+            self.params, self.page_size, 1, self.num_layers, self.devices
+        )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's: the sliding window pages are given back by (or ``None``)."""
+        return (self.window.window,) * self.num_layers
+
+    @property
     def free_pages(self) -> int:
         """Pages no sequence holds (exact at every moment)."""
         with self._lock:
@@ -338,8 +350,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         whose early pages are gone but whose last ``window - 1`` tokens' pages
         are on the device (vLLM's sliding-window hit rule, searched from the
         right); the longer one wins."""
-        hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
-        found = [self._pool.lookup(block) for block in hashes]
+        hashes, found, runs = self._lookup(tokens, salt)
         pages: list[int] = []
         for page in found:
             if page is None:
@@ -354,18 +365,37 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 in_tiers += 1
         best = _Prefix(0, pages, hashes, in_tiers)
         if self.window.slides:
-            run = 0  # device pages found in a row, ending at page m - 1
-            runs = []
-            for page in found:
-                run = run + 1 if page is not None else 0
-                runs.append(run)
             for m in range(len(hashes), best.reused, -1):
-                start = self.window.first_live_page(m * self.page_size)
-                if runs[m - 1] >= m - start:
-                    live = [p for p in found[start:m] if p is not None]
-                    best = _Prefix(start, live, hashes, 0)
-                    break
+                plan = self._device_prefix_at(hashes, found, runs, m)
+                if plan is not None:
+                    return plan
         return best
+
+    def _lookup(
+        self, tokens: list[int], salt: str | None
+    ) -> tuple[list[bytes], list[int | None], list[int]]:
+        """The hashes of the full pages of ``tokens[:-1]``, the device page registered
+        under each, and per page how many pages in a row up to it are registered."""
+        hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
+        found = [self._pool.lookup(block) for block in hashes]
+        runs = list(
+            itertools.accumulate(
+                found, lambda run, page: run + 1 if page is not None else 0, initial=0
+            )
+        )[1:]
+        return hashes, found, runs
+
+    def _device_prefix_at(
+        self, hashes: list[bytes], found: list[int | None], runs: list[int], m: int
+    ) -> _Prefix | None:
+        """Reusing exactly ``m`` pages from the device, if it holds all this cache's
+        layers need of them (the pages of the window, or all ``m``); else ``None``."""
+        if m == 0:
+            return _Prefix(0, [], hashes, 0)
+        start = self.window.first_live_page(m * self.page_size)
+        if runs[m - 1] < m - start:
+            return None
+        return _Prefix(start, [p for p in found[start:m] if p is not None], hashes, 0)
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
         """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
@@ -413,6 +443,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
         plan = self._prefix_plan(tokens, salt)
         (seq_id,) = self._storage_claim(1)
+        return seq_id, self._adopt_prefix(seq_id, tokens, salt, plan)
+
+    def _adopt_prefix(self, seq_id: int, tokens: list[int], salt: str | None, plan: _Prefix) -> int:
+        """``seq_id`` (claimed, empty) takes the prefix ``plan`` reuses; returns its tokens."""
         pages = plan.pages
         self._pool.share(pages)
         on_device = plan.start + len(pages)
@@ -430,7 +464,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._hashes[seq_id] = plan.hashes[:reused]
         self._lengths[seq_id] = cached
         self._give_back(seq_id)
-        return seq_id, cached
+        return cached
 
     def _load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
         """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
@@ -682,6 +716,19 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
         # Plan first (nothing changes if the pages do not suffice), then act.
+        plans, needed = self._reserve_plan(seq_ids, totals)
+        if needed > self._pool.free_count:
+            raise CacheFullError(
+                f"out of pages: this step needs {needed} new pages of {self.page_size} tokens, "
+                f"{self._pool.free_count} of {self.num_pages} are free"
+            )
+        self._reserve_apply(plans)
+
+    def _reserve_plan(
+        self, seq_ids: list[int], totals: list[int]
+    ) -> tuple[list[tuple[int, list[int], int]], int]:
+        """Per sequence, the shared pages a step up to ``totals`` writes into (copied
+        first) and the new pages it needs; and how many free pages all that takes."""
         plans = []
         needed = 0
         for seq_id, total in zip(seq_ids, totals, strict=True):
@@ -694,11 +741,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             new = max(0, last - len(held))
             plans.append((seq_id, shared, new))
             needed += len(shared) + new
-        if needed > self._pool.free_count:
-            raise CacheFullError(
-                f"out of pages: this step needs {needed} new pages of {self.page_size} tokens, "
-                f"{self._pool.free_count} of {self.num_pages} are free"
-            )
+        return plans, needed
+
+    def _reserve_apply(self, plans: list[tuple[int, list[int], int]]) -> None:
         for seq_id, shared, new in plans:
             for index in shared:
                 self._copy_on_write(seq_id, index)
@@ -706,8 +751,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
-    ) -> list[KVCacheInputs]:
-        return self._inputs([self._page_lists[s] for s in seq_ids], lengths, max_lengths)
+    ) -> list[CacheInputs]:
+        return [*self._inputs([self._page_lists[s] for s in seq_ids], lengths, max_lengths)]
 
     def _storage_room(self, seq_id: int) -> int:
         return len(self._page_lists[seq_id]) * self.page_size

@@ -61,11 +61,12 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession
+from max.graph import TensorType
 
 from ..errors import ArgumentTypeError, CacheFullError
 from .params import KVCacheParams
 from .prefix import PrefixCacheStats
-from .spec import CacheSpec, KVCacheInputs, KVCacheInputSymbols
+from .spec import CacheInputs, CacheSpec, HybridCacheSpec, KVCacheInputs, KVCacheInputSymbols
 
 if TYPE_CHECKING:
     from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
@@ -136,7 +137,7 @@ class KVCacheManagerBase(ABC):
 
     def __init__(
         self,
-        spec: CacheSpec,
+        spec: CacheSpec | HybridCacheSpec,
         max_batch_size: int,
         max_seq_len: int,
         devices: Sequence[Device],
@@ -163,7 +164,9 @@ class KVCacheManagerBase(ABC):
         self.session = session
         #: The device work (zero fill, increments, copies): MAX's unless given.
         self.cache_device: CacheDevice = (
-            cache_device if cache_device is not None else _max_cache_device(spec, devices, session)
+            cache_device
+            if cache_device is not None
+            else _max_cache_device(_single(spec), devices, session)
         )
         self._lock = threading.RLock()
         self._lengths: dict[int, int] = {}
@@ -196,7 +199,7 @@ class KVCacheManagerBase(ABC):
     @abstractmethod
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
-    ) -> list[KVCacheInputs]:
+    ) -> list[CacheInputs]:
         """The per-device graph inputs of ``seq_ids`` (after ``_storage_reserve``)."""
 
     @abstractmethod
@@ -229,7 +232,7 @@ class KVCacheManagerBase(ABC):
     def _storage_reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
-    def input_symbols(self) -> list[KVCacheInputSymbols]:
+    def input_symbols(self) -> Sequence[tuple[TensorType, ...]]:
         """Graph input types of :meth:`fetch`'s 4-tuples, one per device
         (``self.spec.input_symbols(self.devices)``; the sizes are symbolic,
         so one compiled graph serves every manager of this spec)."""
@@ -239,7 +242,14 @@ class KVCacheManagerBase(ABC):
         self,
     ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
         """What turns one device's :meth:`fetch` inputs into the collection inside a graph."""
-        return self.spec.collection_fetcher()
+        return _single(self.spec).collection_fetcher()
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the sliding window past which this cache gives tokens back
+        (``None``: it keeps them while the sequence lives).  A model may use the
+        cache when each of its layers attends to no more than that."""
+        return (None,) * self.num_layers
 
     def _storage_room(self, seq_id: int) -> int:
         """Tokens ``seq_id``'s storage has room for now (a slot: ``max_seq_len``)."""
@@ -442,7 +452,7 @@ class KVCacheManagerBase(ABC):
         num_steps: int = 1,
         *,
         active_lengths: Sequence[int] | Mapping[int, int] | None = None,
-    ) -> list[KVCacheInputs]:
+    ) -> list[CacheInputs]:
         """Protocol step 2: reserves room for ``num_steps`` steps and returns the graph inputs.
 
         Args:
@@ -491,9 +501,9 @@ class KVCacheManagerBase(ABC):
 
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[KVCacheInputs],
+        kv_cache_inputs: Sequence[CacheInputs],
         prev_model_inputs: Any,
-    ) -> list[KVCacheInputs]:
+    ) -> list[CacheInputs]:
         """Protocol step 3 (between steps): the next step's inputs, advanced on the device.
 
         ``cache_lengths`` (element 1) becomes ``cache_lengths +
@@ -772,6 +782,12 @@ class KVCacheManagerBase(ABC):
         """Tokens ``[start, end)`` of entry 0 into entry 1 of ``inputs`` (one device's
         4-tuple of ``[source, destination]`` per device), waited for."""
         self.cache_device.copy_tokens(inputs, start, end)
+
+
+def _single(spec: CacheSpec | HybridCacheSpec) -> CacheSpec:
+    if isinstance(spec, HybridCacheSpec):
+        raise ValueError("a hybrid cache has a collection per layer group: see its groups")
+    return spec
 
 
 def _max_cache_device(

@@ -11,13 +11,20 @@ of a spec.
 Per device a step's inputs are :class:`KVCacheInputs`, a ``NamedTuple``
 that is still MAX 24.x's 4-tuple ``(blocks, cache_lengths, lookup_table,
 max_lengths)``.
+
+:class:`HybridCacheSpec` is a cache of layer groups (vLLM v1's hybrid
+cache, MAX's ``KVCacheGroupId``): each group a paged cache of its own, so
+that the pages of sliding-window layers go back to their pool while the
+full-attention layers keep every token.  Per device its inputs are the
+groups' 4-tuples one after the other, and the graph builds one collection
+per group (:meth:`HybridCacheSpec.layer_collections`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from max.driver import Buffer, Device
 from max.dtype import DType
@@ -27,7 +34,11 @@ from ..errors import ArgumentTypeError
 from .params import KVCacheParams
 
 if TYPE_CHECKING:
-    from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+    from ..graph.types import (
+        FetchContinuousBatchingKVCacheCollection,
+        FetchPagedKVCacheCollection,
+        KVCacheCollection,
+    )
 
 #: How a cache stores sequences: one slot of ``max_seq_len`` tokens each, or pages.
 CacheKind = Literal["contiguous", "paged"]
@@ -65,6 +76,11 @@ class KVCacheInputs(NamedTuple):
     max_lengths: Buffer
 
 
+#: One device's graph inputs for a step, as managers return them: a
+#: :class:`KVCacheInputs`, or a hybrid cache's 4-tuples one after the other.
+CacheInputs = tuple[Buffer, ...]
+
+
 class KVCacheInputSymbols(NamedTuple):
     """The graph input types of one device's :class:`KVCacheInputs`."""
 
@@ -84,6 +100,8 @@ class CacheSpec:
         kind: ``"contiguous"`` (a slot per sequence) or ``"paged"``.
         page_size: Tokens per page; required for ``"paged"``, ``None`` for
             ``"contiguous"``.
+        group: The layer group of a :class:`HybridCacheSpec` it is (its page
+            count is a symbolic dim of its own); 0 otherwise.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -95,6 +113,7 @@ class CacheSpec:
     num_layers: int
     kind: CacheKind = "contiguous"
     page_size: int | None = None
+    group: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, KVCacheParams):
@@ -110,6 +129,8 @@ class CacheSpec:
             _positive_int("page_size", self.page_size)
         elif self.page_size is not None:
             raise ValueError(f"a contiguous cache has no page_size, got {self.page_size}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
+            raise ValueError(f"group must be an int >= 0, got {self.group!r}")
 
     def blocks_shape(self) -> list[int | str]:
         """The ``blocks`` input's shape, with symbolic sizes."""
@@ -117,7 +138,8 @@ class CacheSpec:
         heads, dim = p.n_kv_heads_per_device, p.head_dim
         if self.kind == "paged":
             assert self.page_size is not None
-            return [PAGES_DIM, 2, self.num_layers, self.page_size, heads, dim]
+            pages = PAGES_DIM if self.group == 0 else f"{PAGES_DIM}_{self.group}"
+            return [pages, 2, self.num_layers, self.page_size, heads, dim]
         return [SLOTS_DIM, 2, self.num_layers, SEQ_LEN_DIM, heads, dim]
 
     def input_symbols(self, devices: Sequence[Device | DeviceRef]) -> list[KVCacheInputSymbols]:
@@ -164,6 +186,76 @@ class CacheSpec:
             assert self.page_size is not None
             return FetchPagedKVCacheCollection(self.params, self.page_size)
         return FetchContinuousBatchingKVCacheCollection(self.params)
+
+    def layer_collections(self, values: Sequence[Any]) -> list[tuple[KVCacheCollection, int]]:
+        """Inside a graph: per model layer, its collection and its layer index there,
+        from one device's cache input values (:meth:`input_symbols`' order)."""
+        kv = self.collection_fetcher()(*values)
+        return [(kv, i) for i in range(self.num_layers)]
+
+
+@dataclass(frozen=True)
+class HybridCacheSpec:
+    """A paged cache of layer groups, each with its own pages and page tables.
+
+    Args:
+        groups: Each group's :class:`CacheSpec` (paged, same parameters and
+            page size; ``group`` its index here).
+        layers: Per model layer, ``(group, layer index within the group)``.
+
+    Raises:
+        ValueError: If the groups differ in parameters or page size, are not
+            paged, or ``layers`` does not map onto every group's layers once.
+    """
+
+    groups: tuple[CacheSpec, ...]
+    layers: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a hybrid cache needs at least one layer group")
+        first = self.groups[0]
+        for index, group in enumerate(self.groups):
+            if group.kind != "paged" or group.group != index:
+                raise ValueError(f"group {index} must be a paged CacheSpec with group={index}")
+            if (group.params, group.page_size) != (first.params, first.page_size):
+                raise ValueError("the layer groups must share their parameters and page size")
+        expected = sorted(
+            (g, i) for g, group in enumerate(self.groups) for i in range(group.num_layers)
+        )
+        if sorted(self.layers) != expected:
+            raise ValueError(f"layers {self.layers} do not cover each group's layers once")
+
+    @property
+    def params(self) -> KVCacheParams:
+        return self.groups[0].params
+
+    @property
+    def num_layers(self) -> int:
+        """Model layers cached (all groups together)."""
+        return len(self.layers)
+
+    @property
+    def page_size(self) -> int | None:
+        return self.groups[0].page_size
+
+    def input_symbols(self, devices: Sequence[Device | DeviceRef]) -> list[tuple[TensorType, ...]]:
+        """Per device, the groups' :class:`KVCacheInputSymbols` one after the other."""
+        per_group = [group.input_symbols(devices) for group in self.groups]
+        return [
+            tuple(t for symbols in device for t in symbols)
+            for device in zip(*per_group, strict=True)
+        ]
+
+    def layer_collections(self, values: Sequence[Any]) -> list[tuple[KVCacheCollection, int]]:
+        """Inside a graph: per model layer, its group's collection and its index there."""
+        if len(values) != 4 * len(self.groups):
+            raise ValueError(f"expected {4 * len(self.groups)} cache inputs, got {len(values)}")
+        collections = [
+            group.collection_fetcher()(*values[4 * g : 4 * g + 4])
+            for g, group in enumerate(self.groups)
+        ]
+        return [(collections[g], i) for g, i in self.layers]
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -28,7 +28,7 @@ from max.graph import DeviceRef, Graph, TensorType, Weight, ops
 from .. import ops as kvops
 from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
-from ..cache.spec import CacheSpec, KVCacheInputs
+from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
 from ..cpu.quantized import BlockQuantized
 from ..errors import ArgumentTypeError
@@ -278,7 +278,7 @@ def build_decoder_graph(
     config: DecoderConfig,
     params: KVCacheParams,
     cache_types: Sequence[TensorType],
-    make_collection: Callable[..., KVCacheCollection],
+    layer_collections: Callable[[Sequence[Any]], list[tuple[KVCacheCollection, int]]],
     device: DeviceRef,
     output: OutputKind = "tokens",
     quant_bits: Mapping[str, int] | None = None,
@@ -288,7 +288,10 @@ def build_decoder_graph(
 
     Inputs: token ids int64 ``[total_tokens]``, ``input_row_offsets`` uint32
     ``[batch + 1]`` (both on ``device``), then ``cache_types`` (one device's
-    cache inputs, turned into the collection by ``make_collection``).
+    cache inputs, turned into each layer's collection and index there by
+    ``layer_collections``: a spec's
+    :meth:`~maxkv.cache.spec.CacheSpec.layer_collections`, or a hybrid
+    spec's, whose layer groups have collections of their own).
     Output: see :data:`OutputKind` (logits float32 whatever the model's
     dtype).  The model computes in ``params.dtype`` (:data:`MODEL_DTYPES`).
     Weights are graph weights named and laid out as :func:`graph_weights`
@@ -337,24 +340,27 @@ def build_decoder_graph(
         f"maxkv_{cfg.family}_{output}", input_types=input_types, custom_extensions=[kernels_path()]
     ) as g:
         tokens, offsets, *cache = (value.tensor for value in g.inputs)
-        kv = make_collection(*cache)
+        layers = layer_collections(cache)
         h = blocks.embed(tokens)
         # Each sequence's last token: the only row the head reads.
         last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
         for i in range(cfg.num_hidden_layers):
             x = blocks.norm(h, f"layers.{i}.input_norm")
             freqs = weight(cfg.rope_name(i))
+            kv, li = layers[i]
             if packed:  # projection, then K and V stored and Q and K rotated in one pass
-                q = kvops.store_kv_ragged(params, blocks.qkv(x, i), offsets, kv, i, freqs_cis=freqs)
+                q = kvops.store_kv_ragged(
+                    params, blocks.qkv(x, i), offsets, kv, li, freqs_cis=freqs
+                )
                 q = q.reshape(["total_tokens", heads, head_dim])
             else:
                 q = kvops.fused_qkv_ragged_matmul(
-                    params, x, offsets, weight(f"layers.{i}.wqkv"), kv, i
+                    params, x, offsets, weight(f"layers.{i}.wqkv"), kv, li
                 )
                 q = q.reshape(["total_tokens", heads, head_dim])
-                q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, i, interleaved=False)
+                q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, li, interleaved=False)
             attn = kvops.flash_attention_ragged(
-                params, q, offsets, kv, i, scale=cfg.query_scale, window=cfg.window(i)
+                params, q, offsets, kv, li, scale=cfg.query_scale, window=cfg.window(i)
             )
             attn = attn.reshape(["total_tokens", heads * head_dim])
             if i == cfg.num_hidden_layers - 1:
@@ -452,7 +458,7 @@ class DecoderModel:
         self,
         config: DecoderConfig,
         weights: Mapping[str, np.ndarray] | None,
-        cache: CacheSpec | KVCacheManagerBase,
+        cache: CacheSpec | HybridCacheSpec | KVCacheManagerBase,
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
@@ -460,11 +466,19 @@ class DecoderModel:
         device: Device | None = None,
         prepared: Mapping[str, Any] | None = None,
     ) -> None:
+        spec: CacheSpec | HybridCacheSpec
         if isinstance(cache, KVCacheManagerBase):
             if device is not None:
                 raise ValueError("device comes from the manager; pass a CacheSpec to choose it")
             spec, device = cache.spec, cache.devices[0]
-        elif isinstance(cache, CacheSpec):
+            for layer, kept in enumerate(cache.layer_windows):
+                window = config.window(layer)
+                if kept is not None and (window is None or window > kept):
+                    raise ValueError(
+                        f"layer {layer} attends to {window or 'every'} tokens, but the cache "
+                        f"gives back the tokens before its last {kept} (sliding_window)"
+                    )
+        elif isinstance(cache, (CacheSpec, HybridCacheSpec)):
             spec, device = cache, device if device is not None else CPU()
         else:
             raise ArgumentTypeError(
@@ -516,7 +530,7 @@ class DecoderModel:
             config,
             params,
             spec.input_symbols([ref])[0],
-            spec.collection_fetcher(),
+            spec.layer_collections,
             ref,
             output,
             self.quant_bits,
@@ -529,7 +543,7 @@ class DecoderModel:
         """Positions the RoPE table covers (the model's context)."""
         return self.config.max_position_embeddings
 
-    def execute(self, tokens: Buffer, input_row_offsets: Buffer, kv: KVCacheInputs) -> Buffer:
+    def execute(self, tokens: Buffer, input_row_offsets: Buffer, kv: CacheInputs) -> Buffer:
         """Runs one step; returns next tokens or last-token logits (see ``output``)."""
         (result,) = self._model.execute(tokens, input_row_offsets, *kv)
         return result

@@ -63,7 +63,7 @@ from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
 from ...cache.paged import UNUSED_PAGE, PagedKVCacheManager
 from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
-from ...cache.spec import KVCacheInputs
+from ...cache.spec import CacheInputs
 from ...errors import CacheFullError
 
 
@@ -195,7 +195,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         *,
         max_cache_length: int | None = None,
         batch_characteristics: Any = None,
-    ) -> list[KVCacheInputs]:
+    ) -> list[CacheInputs]:
         """``fetch`` of the batch's sequences for one step: maxkv's per-device 4-tuples."""
         del max_cache_length, batch_characteristics
         if len(batches) != 1:
@@ -212,7 +212,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         *,
         max_cache_length: int | None = None,
         batch_characteristics: Any = None,
-    ) -> tuple[KVCacheInputs, ...]:
+    ) -> tuple[CacheInputs, ...]:
         return tuple(self.runtime_inputs(batches))
 
     def step(self, ctx: Any) -> None:
