@@ -27,7 +27,7 @@ from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
 from . import fakes
 from .conftest import requires_transformers
-from .family_checkpoints import FAMILIES
+from .family_checkpoints import ALL_SLIDING, FAMILIES, HYBRID
 from .forgery import forge_every_block
 from .pipeline_helpers import (
     MAX_CLI,
@@ -346,7 +346,13 @@ def test_max_generate_runs_every_family_as_transformers_does(
     assert generated == transformers_completion(directory, LONG_PROMPT, NEW_TOKENS)
     logged = read_events(events)  # it ran on maxkv's cache, not MAX's own pipeline
     assert [e["event"] for e in logged] == ["alloc", "release"]
+    assert logged[-1]["free"] == logged[-1]["total"]  # every page back
     assert "trivial register type" not in result.stderr
+    log = result.stdout + result.stderr
+    if family in HYBRID:  # a layer group per window: the sliding layers give pages back
+        assert "hybrid paged cache" in log
+    elif family in ALL_SLIDING:
+        assert "window freed" in log
 
 
 @pytest.fixture(scope="module")

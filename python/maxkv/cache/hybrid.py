@@ -179,13 +179,15 @@ class HybridKVCacheManager(KVCacheManagerBase):
         devices: Sequence[Device],
         budget_bytes: int,
         max_batch_size: int,
+        max_seq_len: int,
         step_tokens: int,
     ) -> list[int]:
         """Pages per group for ``budget_bytes`` of memory: each sliding group what
         ``max_batch_size`` sequences' windows hold while they decode, plus the pages
-        of a step of ``step_tokens`` new tokens (a chunked prefill); the
-        full-attention group the rest.  Without a full-attention group, the
-        budget is split in proportion to the sliding groups' needs.
+        of a step of ``step_tokens`` new tokens (a chunked prefill), and never more
+        than their ``max_seq_len`` tokens; the full-attention group the rest.
+        Without a full-attention group, the budget is split in proportion to the
+        sliding groups' needs.
 
         Raises:
             ValueError: If the sliding groups' pages alone do not fit the budget.
@@ -197,10 +199,13 @@ class HybridKVCacheManager(KVCacheManagerBase):
             for count in counts
         ]
         step_pages = math.ceil(step_tokens / page_size) + max_batch_size
+        longest = max_batch_size * math.ceil(max_seq_len / page_size)
         wanted: list[int | None] = []
         for window in windows:
             bound = PageWindow(window, page_size).max_live_pages()
-            wanted.append(None if bound is None else max_batch_size * bound + step_pages)
+            wanted.append(
+                None if bound is None else min(longest, max_batch_size * bound + step_pages)
+            )
         sliding = sum(n * size for n, size in zip(wanted, sizes, strict=True) if n is not None)
         if sliding > budget_bytes and None in wanted:
             raise ValueError(

@@ -48,6 +48,7 @@ from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineMode
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from ...cache.contiguous import ContinuousBatchingKVCacheManager
+from ...cache.hybrid import HybridKVCacheManager, layer_groups
 from ...cache.paged import PagedKVCacheManager
 from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
@@ -74,6 +75,9 @@ DEFAULT_PAGE_SIZE = 16
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
+#: New tokens of one step a hybrid cache's sliding groups make room for, unless
+#: MAX passes its ``--max-batch-input-tokens``.
+DEFAULT_STEP_TOKENS = 8192
 
 
 class _ToMaxLog(logging.Handler):
@@ -197,7 +201,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             prefix_caching=self.kv_cache_config.enable_prefix_caching,
             available=self.memory_plan.available_cache_memory,
             tiers=TierConfig.from_env(model_identity(path)),
-            sliding_window=None if keep_window_pages() else config.cache_window,
+            layer_windows=() if keep_window_pages() else config.layer_windows,
+            step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
@@ -339,7 +344,8 @@ def build_manager(
     prefix_caching: bool,
     available: int | None,
     tiers: TierConfig | None = None,
-    sliding_window: int | None = None,
+    layer_windows: Sequence[int | None] = (),
+    step_tokens: int | None = None,
 ) -> KVCacheManagerBase:
     """maxkv's manager of ``kind`` for MAX's settings.
 
@@ -349,19 +355,39 @@ def build_manager(
     (ids cost nothing; pages bound the cache).  Contiguous: ``max_batch_size``
     slots of ``max_seq_len`` tokens.  ``tiers`` apply to a paged cache with
     prefix caching on CPU devices (and are left off, with a log line, elsewhere).
-    ``sliding_window`` (paged): the model's layers all slide, and the pages
-    before their window are given back as requests run.
+    ``layer_windows`` (paged; per layer its sliding window, or ``None``;
+    empty: no layer slides): when every layer slides, the pages before the
+    window are given back as requests run; when some do, the cache is a
+    :class:`~maxkv.HybridKVCacheManager` whose sliding groups get the pages
+    of ``max_batch_size`` windows and of one step of ``step_tokens`` new
+    tokens (MAX's ``--max-batch-input-tokens``; default 8192), and whose
+    full-attention group gets the rest of the memory.
 
     Raises:
         CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
             sequence) needs more than ``available`` bytes.
     """
+    windows = tuple(layer_windows) or (None,) * num_layers
     if kind == "paged":
         per_page = PagedKVCacheManager.estimated_memory_size(
             params, page_size, 1, num_layers, devices
         )
         pages_per_seq = math.ceil(max_seq_len / page_size)
         num_pages = max_batch_size * pages_per_seq if available is None else available // per_page
+        if None in windows and any(w is not None for w in windows):
+            return _hybrid_manager(
+                params,
+                devices,
+                session,
+                windows,
+                budget=num_pages * per_page if available is None else available,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                page_size=page_size,
+                prefix_caching=prefix_caching,
+                tiers=tiers,
+                step_tokens=step_tokens or DEFAULT_STEP_TOKENS,
+            )
         if num_pages < pages_per_seq:
             raise CacheDoesNotFitError(
                 f"maxkv's paged KV cache needs at least {pages_per_seq} pages of {page_size} "
@@ -387,7 +413,7 @@ def build_manager(
             session,
             enable_prefix_caching=prefix_caching,
             tiers=tiers,
-            sliding_window=sliding_window,
+            sliding_window=None if None in windows else max(w for w in windows if w),
         )
     check_cache_fits(
         ContinuousBatchingKVCacheManager.estimated_memory_size(
@@ -408,6 +434,50 @@ def build_manager(
     )
 
 
+def _hybrid_manager(
+    params: KVCacheParams,
+    devices: list[Any],
+    session: Any,
+    windows: tuple[int | None, ...],
+    *,
+    budget: int,
+    max_batch_size: int,
+    max_seq_len: int,
+    page_size: int,
+    prefix_caching: bool,
+    tiers: TierConfig | None,
+    step_tokens: int,
+) -> HybridKVCacheManager:
+    """:func:`build_manager`'s cache for a model with sliding and full-attention layers."""
+    try:
+        num_pages = HybridKVCacheManager.plan_pages(
+            params, page_size, windows, devices, budget, max_batch_size, max_seq_len, step_tokens
+        )
+    except ValueError as error:
+        raise CacheDoesNotFitError(f"maxkv's hybrid KV cache: {error}") from None
+    groups, _ = layer_groups(windows)
+    full = num_pages[groups.index(None)]
+    if full < math.ceil(max_seq_len / page_size):
+        raise CacheDoesNotFitError(
+            f"maxkv's hybrid KV cache: the full-attention layers get {full} pages of "
+            f"{page_size} tokens, fewer than one --max-length {max_seq_len} sequence needs: "
+            "lower --max-length, --max-batch-size or --max-batch-input-tokens"
+        )
+    if tiers is not None and tiers.any_tier:
+        logger.info("maxkv: KV tiers are off: a hybrid cache (layer groups) has no tiers")
+    return HybridKVCacheManager(
+        params,
+        page_size,
+        num_pages,
+        2 * max_batch_size,
+        max_seq_len,
+        windows,
+        devices,
+        session,
+        enable_prefix_caching=prefix_caching,
+    )
+
+
 def _is_cpu(device: Any) -> bool:
     return bool(getattr(device, "is_host", False)) or "cpu" in str(device).lower()
 
@@ -415,6 +485,17 @@ def _is_cpu(device: Any) -> bool:
 def describe(manager: KVCacheManagerBase) -> str:
     """One line on the cache, for the log."""
     prefix = "prefix caching on" if manager.prefix_caching else "prefix caching off"
+    if isinstance(manager, HybridKVCacheManager):
+        groups = ", ".join(
+            f"{g.num_layers} layers "
+            f"{'of full attention' if g.window.window is None else f'of window {g.window.window}'}"
+            f" in {g.num_pages} pages"
+            for g in manager.groups
+        )
+        return (
+            f"hybrid paged cache, pages of {manager.page_size} tokens: {groups} "
+            f"({manager.nbytes() / 2**20:.1f} MiB), {prefix}"
+        )
     if isinstance(manager, PagedKVCacheManager):
         size = manager.estimated_memory_size(
             manager.params,
