@@ -60,6 +60,28 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             rms_norm_eps=1e-6, tie_word_embeddings=True,
         ),
     ),
+    # Mistral 7B v0.1's shape: every layer slides (4096 tokens).  For the cache's
+    # byte counts only (benchmarks/sliding_window.py): 28 GB of float32 weights.
+    "mistral-7b-v0.1": (
+        "mistral",
+        dict(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    # A small Mistral-architecture model with a 512-token window, for max serve on
+    # long chats on this CPU (benchmarks/sliding_window.py serve).
+    "mistral-tiny-w512": (
+        "mistral",
+        dict(
+            vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=32768, sliding_window=512, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+        ),
+    ),
 }  # fmt: skip
 
 

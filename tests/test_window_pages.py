@@ -16,6 +16,7 @@ from max.dtype import DType
 
 from maxkv import KVCacheParams
 from maxkv.cache.paged import UNUSED_PAGE, PagedKVCacheManager
+from maxkv.cache.rotation import KeyRotation
 from maxkv.cache.window import PageWindow
 from maxkv.errors import ArgumentTypeError
 from maxkv.models.config import DecoderConfig
@@ -207,3 +208,139 @@ def test_release_frees_only_held_pages() -> None:
     assert m.free_pages == 8
     assert all(m.page_refcount(p) == 0 for p in range(8))
     assert np.isfinite(m._pages[0].to_numpy()).all()
+
+
+# ------------------------------------------------------------ attention sinks
+
+HEAD_DIM = 8
+ROTATION = KeyRotation.of_layers([1.0 / 100.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)] * 2)
+BASE_KEY = np.linspace(-1.0, 1.0, HEAD_DIM)
+
+
+def rotated(position: int, layer: int) -> np.ndarray:
+    """The key a model stores at ``position``: ``BASE_KEY`` rotated by RoPE."""
+    key = BASE_KEY.copy()
+    ROTATION.shift(key, layer, position)
+    return key
+
+
+def stream_manager(num_pages: int = 16, **kw: object) -> PagedKVCacheManager:
+    params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=HEAD_DIM)
+    return fakes.paged(params, PAGE, num_pages, 4, 64, 2, key_rotation=ROTATION, **kw)
+
+
+def stream_step(m: PagedKVCacheManager, seq: int, tokens: list[int]) -> None:
+    """One step of ``tokens`` (ids >= 1), keys as a model stores them at their
+    positions in the cache, values the token ids."""
+    (inputs,) = m.fetch([seq], 1, active_lengths=[len(tokens)])
+    pages, table = inputs[0].to_numpy(), inputs[2].to_numpy()
+    start = m.cache_lengths[seq]
+    for i, token in enumerate(tokens):
+        t = start + i
+        page, slot = table[0, t // PAGE], t % PAGE
+        for layer in range(2):
+            pages[page, 0, layer, slot, 0] = rotated(t, layer)
+            pages[page, 1, layer, slot, 0] = token
+    m.step({seq: len(tokens)}, tokens={seq: tokens} if m.prefix_caching else None)
+
+
+def cached(m: PagedKVCacheManager, seq: int) -> tuple[list[int], np.ndarray]:
+    """The token ids in the cache, in order, and their keys ``[tokens, layers, head_dim]``."""
+    length = m.cache_lengths[seq]
+    row = m.pages(seq)
+    pages = m._pages[0].to_numpy()
+    values = [int(pages[row[t // PAGE], 1, 0, t % PAGE, 0, 0]) for t in range(length)]
+    keys = np.stack([pages[row[t // PAGE], 0, :, t % PAGE, 0] for t in range(length)])
+    return values, keys
+
+
+def test_sinks_keep_the_first_tokens_and_the_window_at_their_places_in_the_cache() -> None:
+    """StreamingLLM: the cache holds the sink page and the last window tokens, each
+    token's key as the model would store it at its place in the cache."""
+    m = stream_manager()
+    (seq,) = m.claim(1)
+    stream_step(m, seq, list(range(1, 7)))
+    m.enable_sliding_window(seq, 10, sink=3)  # sinks: the first page (4 tokens)
+    assert m.sliding_window_of(seq) == (10, 4, 0)
+    for token in range(7, 301):
+        stream_step(m, seq, [token])
+        length = m.cache_lengths[seq]
+        assert length <= 4 + 10 + PAGE - 1
+        values, keys = cached(m, seq)
+        window = length - 4
+        assert values == [1, 2, 3, 4, *range(token - window + 1, token + 1)]
+        expected = np.stack([[rotated(t, layer) for layer in range(2)] for t in range(length)])
+        np.testing.assert_allclose(keys, expected, atol=1e-5)
+    _, sinks, evicted = m.sliding_window_of(seq)  # type: ignore[misc]
+    assert sinks == 4 and evicted == 300 - m.cache_lengths[seq]
+    assert m.free_pages == 16 - len(m.pages(seq))
+    # pop_n within the window, then into the sinks: the sequence's first tokens again.
+    m.pop_n(seq, 2)
+    assert cached(m, seq)[0][-1] == 298
+    m.pop_n(seq, m.cache_lengths[seq] - 3)
+    assert m.sliding_window_of(seq) == (10, 4, 0) and cached(m, seq)[0] == [1, 2, 3]
+    m.release(seq)
+    assert m.free_pages == 16
+
+
+def test_sinks_copy_shared_pages_before_moving_keys() -> None:
+    m = stream_manager(num_pages=24, enable_prefix_caching=True)
+    (a,) = m.claim(1)
+    stream_step(m, a, list(range(1, 21)))
+    b, hit = m.claim_prefix(list(range(1, 22)))
+    assert hit == 20
+    m.enable_sliding_window(b, 8)
+    stream_step(m, b, [21])  # b slides: the pages it shares with a are copied first
+    values_a, keys_a = cached(m, a)
+    assert values_a == list(range(1, 21))
+    expected = np.stack([[rotated(t, layer) for layer in range(2)] for t in range(20)])
+    np.testing.assert_allclose(keys_a, expected, atol=1e-6)  # a's keys untouched
+    values_b, _ = cached(m, b)
+    assert values_b[-1] == 21 and len(values_b) <= 8 + PAGE - 1
+    # A fork shares b's pages; each copies before its next move.
+    child = m.fork(b)
+    for token in range(22, 40):
+        stream_step(m, b, [token])
+        stream_step(m, child, [100 + token])
+    assert cached(m, b)[0][-1] == 39 and cached(m, child)[0][-1] == 139
+    assert m.sliding_window_of(child) == m.sliding_window_of(b)
+
+
+def test_sinks_are_refused_where_they_cannot_work() -> None:
+    m = stream_manager()
+    (seq,) = m.claim(1)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        m.enable_sliding_window(seq, 0)
+    with pytest.raises(ValueError, match="sink must be >= 0"):
+        m.enable_sliding_window(seq, 8, sink=-1)
+    m.enable_sliding_window(seq, 8, 2)
+    with pytest.raises(ValueError, match="has a sliding window already"):
+        m.enable_sliding_window(seq, 8, 2)
+    plain = fakes.paged(PARAMS, PAGE, 8, 2, 64)
+    (first,) = plain.claim(1)
+    with pytest.raises(ValueError, match="key_rotation"):
+        plain.enable_sliding_window(first, 8)
+    windowed = fakes.paged(PARAMS, PAGE, 8, 2, 64, sliding_window=8)
+    (other,) = windowed.claim(1)
+    with pytest.raises(ValueError, match="slide already"):
+        windowed.enable_sliding_window(other, 8)
+    with pytest.raises(ValueError, match="layers"):
+        fakes.paged(PARAMS, PAGE, 8, 2, 64, key_rotation=ROTATION)  # 1 layer, rotation of 2
+
+
+def test_swap_keeps_a_sequence_with_sinks() -> None:
+    m = stream_manager(tiers=TierConfig(swap_bytes=2**20), enable_prefix_caching=True)
+    (seq,) = m.claim(1)
+    m.enable_sliding_window(seq, 8, 4)
+    for token in range(1, 40):
+        stream_step(m, seq, [token])
+    before = cached(m, seq)
+    swapped = m.swap_out(seq)
+    new = m.swap_in(swapped)
+    after = cached(m, new)
+    assert after[0] == before[0]
+    np.testing.assert_array_equal(after[1], before[1])
+    assert m.sliding_window_of(new) == m.sliding_window_of(seq if m.contains(seq) else new)
+    stream_step(m, new, [40])
+    assert cached(m, new)[0][-1] == 40
+    m.close()

@@ -56,6 +56,18 @@ tokens are still cached (vLLM's sliding-window hit rule); ``fork`` and
 ``pop_n`` refuse a position whose window would reach a page given back;
 ``swap_out`` and the tiers store the pages still held.
 
+Attention sinks (TVM's ``EnableSlidingWindowForSeq``, StreamingLLM), per
+sequence, between rounds: ``enable_sliding_window(seq_id, window, sink)``
+keeps the sequence's first ``sink`` tokens (in whole pages) and at least its
+last ``window``; when ``step`` commits tokens past that, whole pages of the
+oldest window tokens are dropped and the sequence's positions become places
+in the cache, as StreamingLLM and TVM number them: the keys after the
+dropped pages are rotated back by as many positions
+(:class:`~maxkv.cache.rotation.KeyRotation`, given to the manager), and the
+committed length the graph sees is what the cache holds.  Such a sequence
+runs on past ``max_seq_len`` and the model's context with a cache that
+never grows.
+
 Preemption by swap, between rounds: ``swap_out`` copies a sequence's pages to
 host memory (a ``swap_bytes`` budget) and releases them; ``swap_in`` claims a
 sequence again with the same tokens, sharing the pages the device still has
@@ -68,14 +80,14 @@ import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
-from ..errors import CacheFullError
+from ..errors import ArgumentTypeError, CacheFullError
 from ..tiers.blocks import BlockLayout
 from ..tiers.store import TierConfig, TieredBlockStore
 from .page_pool import PagePool
@@ -88,6 +100,7 @@ from .protocol import (
     require_int,
     validate_sizes,
 )
+from .rotation import KeyRotation
 from .spec import CacheInputs, CacheSpec, KVCacheInputs
 from .window import PageWindow
 
@@ -122,12 +135,24 @@ class SwappedSequence:
     hashes: list[bytes] = field(default_factory=list, repr=False)
     #: Pages before it were given back (sliding window).
     first_page: int = 0
+    #: Its attention sinks (:meth:`PagedKVCacheManager.enable_sliding_window`).
+    stream: _Stream | None = None
     number: int = field(default_factory=lambda: next(_swap_numbers))
 
     @property
     def nbytes(self) -> int:
         """Host memory it takes."""
         return int(self.blocks.nbytes)
+
+
+@dataclass
+class _Stream:
+    """A sequence with attention sinks: its first ``sink_pages`` pages, and at least
+    its last ``window`` tokens; ``evicted`` tokens were dropped between them."""
+
+    window: int
+    sink_pages: int
+    evicted: int = 0
 
 
 @dataclass
@@ -178,6 +203,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             window are given back as tokens are committed.  ``None`` (the
             default; also for a model where any layer attends to every
             token): pages are kept until the sequence is released.
+        key_rotation: The model's RoPE (:class:`~maxkv.cache.rotation.KeyRotation`,
+            e.g. ``DecoderConfig.key_rotation()``), which
+            :meth:`enable_sliding_window` needs to move keys to new positions.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -201,8 +229,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
         cache_device: CacheDevice | None = None,
         tiers: TierConfig | None = None,
         sliding_window: int | None = None,
+        key_rotation: KeyRotation | None = None,
     ) -> None:
         page_size = require_int("page_size", page_size, 1)
+        if key_rotation is not None and not isinstance(key_rotation, KeyRotation):
+            raise ArgumentTypeError(
+                f"key_rotation must be a KeyRotation, got {type(key_rotation).__name__}"
+            )
         #: Which pages a sequence keeps (every page without a sliding window).
         self.window = PageWindow(sliding_window, page_size)
         if tiers is not None and not isinstance(tiers, TierConfig):
@@ -229,6 +262,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._page_lists: dict[int, list[int]] = {}
         #: Per sequence, how many pages at the start of its list it gave back.
         self._given_back: dict[int, int] = {}
+        #: Sequences with attention sinks (enable_sliding_window).
+        self._streams: dict[int, _Stream] = {}
+        self._rotation = key_rotation
         self._prefix_caching = bool(enable_prefix_caching)
         #: Prefix caching, per sequence: committed token ids, salt, and the
         #: hashes of its full pages (the chain its next full page extends).
@@ -237,6 +273,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._hashes: dict[int, list[bytes]] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = self.cache_device.zeros(shape, self.params.dtype)
+        if key_rotation is not None and key_rotation.num_layers != self.num_layers:
+            raise ValueError(
+                f"key_rotation has {key_rotation.num_layers} layers; the cache {self.num_layers}"
+            )
         self._tier_config = tiers if tiers is not None else TierConfig()
         self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
         #: Prompt tokens loaded from the tiers instead of computed.
@@ -507,6 +547,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
         # Per tenant (salt): each one's pages are signed with its own key.
         new_blocks: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for seq_id, ids in tokens.items():
+            stream = self._streams.get(seq_id)
+            if stream is not None and stream.evicted:
+                continue  # its pages hold moved keys: not the prefix their tokens hash to
             held_tokens = self._tokens[seq_id]
             held_tokens.extend(ids)
             hashes = self._hashes[seq_id]
@@ -613,6 +656,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 salt=self._salts.get(seq),
                 hashes=list(self._hashes.get(seq, [])),
                 first_page=gone,
+                stream=replace(self._streams[seq]) if seq in self._streams else None,
             )
             self._swapped[swapped.number] = nbytes
             self.release(seq)
@@ -680,6 +724,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             (seq,) = self._storage_claim(1)
             self._page_lists[seq] = pages
             self._given_back[seq] = swapped.first_page
+            if swapped.stream is not None:
+                self._streams[seq] = replace(swapped.stream)
             self._lengths[seq] = swapped.length
             if self._prefix_caching:
                 self._tokens[seq] = list(swapped.tokens or [])
@@ -710,6 +756,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         # Last page first: a sequence's prefix outlives its tail in the cache.
         gone = self._given_back.pop(seq_id, 0)
         self._pool.free(reversed(self._page_lists.pop(seq_id)[gone:]))
+        self._streams.pop(seq_id, None)
         self._free_seq_ids.add(seq_id)
         for records in (self._tokens, self._salts, self._hashes):
             records.pop(seq_id, None)
@@ -760,6 +807,99 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_committed(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._give_back(seq_id)
+            self._slide(seq_id)
+
+    # ------------------------------------------------------ attention sinks
+
+    def enable_sliding_window(self, seq_id: int, window: int, sink: int = 0) -> None:
+        """Between rounds: ``seq_id`` keeps its first ``sink`` tokens and at least its
+        last ``window`` tokens, with StreamingLLM's positions (TVM's
+        ``EnableSlidingWindowForSeq``).
+
+        The sinks are kept in whole pages: the first ``ceil(sink / page_size)``
+        pages.  Whenever committed tokens take the window past ``window +
+        page_size - 1`` tokens, its oldest whole pages are dropped and the
+        keys after them rotated back by the tokens dropped, so that every
+        token's position is its place in the cache; the sequence's committed
+        length (what the graph and :attr:`cache_lengths` see) is what the
+        cache holds, at most ``sink pages + window + page_size - 1`` tokens
+        between steps.  A step's new tokens all see the cache as it was
+        before the step.  With prefix caching, pages are registered until
+        the first drop.  Needs ``key_rotation`` and a cache in host memory.
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed or has sinks already,
+                ``window < 1``, ``sink < 0``, the model's layers slide already
+                (``sliding_window``), no ``key_rotation`` was given, or the
+                cache is not in host memory.
+        """
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            window = require_int("window", window, 1)
+            sink = require_int("sink", sink, 0)
+            if self.window.slides:
+                raise ValueError(
+                    "the model's layers slide already (sliding_window): attention sinks "
+                    "are for a cache that keeps every token"
+                )
+            if self._rotation is None:
+                raise ValueError(
+                    "attention sinks move keys to new positions: give the manager the "
+                    "model's key_rotation"
+                )
+            if not self.host_pages:
+                raise ValueError("attention sinks rotate keys on the host: a CPU cache only")
+            if seq in self._streams:
+                raise ValueError(f"seq_id {seq} has a sliding window already")
+            self._streams[seq] = _Stream(window, math.ceil(sink / self.page_size))
+            self._slide(seq)
+
+    def sliding_window_of(self, seq_id: int) -> tuple[int, int, int] | None:
+        """``(window, sink tokens kept, tokens dropped so far)`` of a sequence with
+        attention sinks, else ``None``."""
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            stream = self._streams.get(seq)
+            if stream is None:
+                return None
+            return stream.window, stream.sink_pages * self.page_size, stream.evicted
+
+    def _slide(self, seq_id: int) -> None:
+        """Drops the whole pages of ``seq_id``'s oldest window tokens past its window
+        and moves the keys after them back (a sequence with attention sinks).  With
+        no free page for a copy-on-write it waits for a later commit."""
+        stream = self._streams.get(seq_id)
+        if stream is None:
+            return
+        length = self._lengths[seq_id]
+        first = stream.sink_pages
+        sinks = first * self.page_size
+        drop = (length - sinks - stream.window) // self.page_size
+        if drop <= 0:
+            return
+        held = self._page_lists[seq_id]
+        moved = range(first + drop, self.storage_units(length))
+        shared = [i for i in moved if self._shared(held[i])]
+        if len(shared) > self._pool.free_count:
+            return
+        for index in shared:  # the keys change: this sequence's own copy
+            self._copy_on_write(seq_id, index)
+        self._pool.free(held[first : first + drop])
+        del held[first : first + drop]
+        shift = drop * self.page_size
+        pages = np.array(held[first : first + len(moved)], dtype=np.int64)
+        assert self._rotation is not None
+        for buffer in self._pages:
+            keys = buffer.to_numpy()[:, 0]  # [pages, layers, page_size, heads, head_dim]
+            for layer in range(self.num_layers):
+                block = keys[pages, layer]
+                self._rotation.shift(block, layer, -shift)
+                keys[pages, layer] = block
+        self._lengths[seq_id] = length - shift
+        stream.evicted += shift
+        if self._prefix_caching:
+            del self._hashes[seq_id][first:]
+            del self._tokens[seq_id][sinks:]
 
     def _give_back(self, seq_id: int) -> None:
         """Frees the pages of ``seq_id`` that are wholly before its window now (the
@@ -787,6 +927,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         self._check_window(seq_id, length, "cannot pop_n")
+        stream = self._streams.get(seq_id)
+        if stream is not None and length <= stream.sink_pages * self.page_size:
+            stream.evicted = 0  # what is left is the sequence's first tokens again
         held = self._page_lists[seq_id]
         keep = self.storage_units(length)
         self._pool.free(reversed(held[keep:]))
@@ -813,6 +956,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
             child_pages += self._pool.allocate(1)
         self._page_lists[child] = child_pages
         self._given_back[child] = start
+        stream = self._streams.get(parent)
+        if stream is not None:
+            evicted = stream.evicted if fork_pos > stream.sink_pages * self.page_size else 0
+            self._streams[child] = _Stream(stream.window, stream.sink_pages, evicted)
         if self._prefix_caching:
             self._tokens[child] = self._tokens[parent][:fork_pos]
             self._salts[child] = self._salts[parent]

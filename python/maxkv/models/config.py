@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..cache.rotation import KeyRotation
 from ..graph.ops import check_window
 from .errors import ModelLoadError
 from .rope import RopeScaling, rope_table
@@ -184,6 +185,19 @@ class DecoderConfig:
         if self.local_rope_theta is not None:
             ropes["rope_local.freqs_cis"] = (self.local_rope_theta, None)
         return ropes
+
+    def key_rotation(self) -> KeyRotation:
+        """Each layer's RoPE as the cache moves keys by it (attention sinks)."""
+        inv_freq = []
+        ropes = self.ropes()
+        for layer in range(self.num_hidden_layers):
+            theta, scaling = ropes[self.rope_name(layer)]
+            if scaling is None:
+                d = self.head_dim
+                inv_freq.append(1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+            else:
+                inv_freq.append(scaling.inv_freq(theta, self.head_dim)[0])
+        return KeyRotation.of_layers(inv_freq)
 
     def rope_tables(self) -> dict[str, np.ndarray]:
         """The tables of :meth:`ropes`, float32 ``[max_position_embeddings, head_dim]``."""
