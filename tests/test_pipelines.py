@@ -355,6 +355,72 @@ def test_max_generate_runs_every_family_as_transformers_does(
         assert "window freed" in log
 
 
+@pytest.mark.serve
+def test_max_generate_with_attention_sinks_runs_as_streaming_transformers(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """``MAXKV_SLIDING_WINDOW`` / ``MAXKV_ATTENTION_SINKS``: a prompt five times the
+    window, then decoding; the text of transformers over a cache that StreamingLLM
+    edits (the sink page and the window, at their places in the cache)."""
+    from .streaming_reference import streaming_completion
+
+    events = tmp_path / "events.jsonl"
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "MAXKV_EVENT_LOG": str(events),
+        "MAXKV_SLIDING_WINDOW": "32",
+        "MAXKV_ATTENTION_SINKS": "4",
+    }
+    result = subprocess.run(
+        [
+            MAX_CLI,
+            "generate",
+            *max_pipeline_args(
+                tiny_llama_dir,
+                *("--max-length", "256", "--max-batch-size", "1", "--kv-cache-page-size", "16"),
+                *("--top-k", "1", "--prompt", LONG_PROMPT),
+            ),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    generated = result.stdout.split("Prompt size:")[0].strip("\n")
+    expected = streaming_completion(tiny_llama_dir, LONG_PROMPT, NEW_TOKENS, 32, 4, 16)
+    assert generated == expected
+    assert generated != transformers_completion(tiny_llama_dir, LONG_PROMPT, NEW_TOKENS)
+    assert (
+        "attention sinks: every request keeps its first 4 tokens" in result.stdout + result.stderr
+    )
+    logged = read_events(events)
+    assert [e["event"] for e in logged] == ["alloc", "release"]
+    assert logged[-1]["free"] == logged[-1]["total"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("window", "sinks", "error"),
+    [("0", "", "positive"), ("x", "", "positive"), ("64", "-1", "number"), ("", "4", "needs")],
+)
+def test_attention_sink_settings_are_checked(
+    window: str, sinks: str, error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maxkv.serving.pipelines.model import streaming_window
+
+    monkeypatch.setenv("MAXKV_SLIDING_WINDOW", window)
+    monkeypatch.setenv("MAXKV_ATTENTION_SINKS", sinks)
+    with pytest.raises(ValueError, match=error):
+        streaming_window()
+    monkeypatch.setenv("MAXKV_SLIDING_WINDOW", "64")
+    monkeypatch.setenv("MAXKV_ATTENTION_SINKS", "")
+    assert streaming_window() == (64, 4)
+
+
 @pytest.fixture(scope="module")
 def max_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the module's tests."""

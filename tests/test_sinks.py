@@ -27,6 +27,7 @@ from maxkv.models import DecoderModel, load_model
 from maxkv.models.decoder import cache_params
 
 from .family_checkpoints import save_family_checkpoint
+from .streaming_reference import streaming_reference
 
 torch = pytest.importorskip("torch")
 
@@ -35,41 +36,6 @@ pytestmark = pytest.mark.compile
 PAGE = 8
 WINDOW = 24
 SINK = 4
-
-
-def streaming_reference(hf: object) -> tuple[object, object]:
-    """transformers' model with a cache that StreamingLLM edits: ``step(ids, start)``
-    runs new tokens at positions ``start..``; ``drop(first, count)`` removes cached
-    tokens ``[first, first + count)`` of every layer and rotates the keys after
-    them back by ``count`` positions with the model's own RoPE frequencies (torch)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    rotary = hf.model.rotary_emb  # type: ignore[attr-defined]
-    inv_freq = rotary.inv_freq.to(torch.float64)
-
-    def step(ids: list[int], start: int) -> np.ndarray:
-        positions = torch.arange(start, start + len(ids))[None]
-        with torch.no_grad():
-            out = hf(torch.tensor([ids]), position_ids=positions, past_key_values=cache)  # type: ignore[operator]
-        return out.logits[0, -1].numpy()
-
-    def drop(first: int, count: int) -> None:
-        angle = -count * inv_freq
-        cos, sin = torch.cos(angle), torch.sin(angle)
-        for layer in cache.layers:
-            keys, values = layer.keys, layer.values  # [1, heads, tokens, head_dim]
-            kept = torch.cat([keys[:, :, :first], keys[:, :, first + count :]], dim=2)
-            moved = kept[:, :, first:].to(torch.float64)
-            half = moved.shape[-1] // 2
-            a, b = moved[..., :half], moved[..., half:]
-            kept[:, :, first:] = torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(
-                keys.dtype
-            )
-            layer.keys = kept
-            layer.values = torch.cat([values[:, :, :first], values[:, :, first + count :]], 2)
-
-    return step, drop
 
 
 @pytest.mark.parametrize("sink", [SINK, 0], ids=["sinks", "window-only"])

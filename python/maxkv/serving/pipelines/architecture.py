@@ -51,7 +51,9 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
             model = self._pipeline_model
             if not isinstance(model, MaxkvPipelineModel):
                 raise TypeError(f"expected a maxkv pipeline model, got {type(model).__name__}")
-            return MaxkvKVManager(model.maxkv_manager, load_kwargs["params"])
+            return MaxkvKVManager(
+                model.maxkv_manager, load_kwargs["params"], streaming=model.streaming
+            )
 
         with _replaced(text_generation, "load_kv_manager", load_maxkv_manager):
             super().__init__(*args, **kwargs)

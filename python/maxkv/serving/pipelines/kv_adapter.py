@@ -76,11 +76,25 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             requests reuse cached prefixes.
         params: MAX's KV cache parameters of the model (the schedulers read
             ``params.page_size`` and a few other fields).
+        streaming: ``(window, sinks)``: every request's sequence keeps its
+            first ``sinks`` tokens and its last ``window``
+            (:meth:`PagedKVCacheManager.enable_sliding_window`); its cache
+            positions then lag its tokens, which maxkv's graph reads from
+            the cache.
     """
 
-    def __init__(self, manager: KVCacheManagerBase, params: Any) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManagerBase,
+        params: Any,
+        *,
+        streaming: tuple[int, int] | None = None,
+    ) -> None:
+        if streaming is not None and not isinstance(manager, PagedKVCacheManager):
+            raise ValueError("maxkv: attention sinks need the paged cache")
         self.manager = manager
         self.params = params
+        self.streaming = streaming
         self._lock = threading.Lock()
         #: request id -> maxkv sequence id (None until ``alloc`` starts one).
         self._seqs: dict[Any, int | None] = {}
@@ -116,13 +130,15 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         with self._lock:
             if ctx.request_id not in self._seqs:
                 raise ValueError(f"maxkv: request {ctx.request_id} was not claimed")
-            need = tokens.processed_length + tokens.active_length
+            seq = self._seqs[ctx.request_id]
+            # Cache positions: the request's tokens, or (attention sinks) what its cache holds.
+            held = tokens.processed_length if seq is None else self.manager.cache_lengths[seq]
+            need = held + tokens.active_length
             if need > self.manager.max_seq_len:
                 raise InsufficientBlocksError(
                     f"maxkv: request {ctx.request_id} needs {need} cache positions, past "
                     f"max_seq_len {self.manager.max_seq_len} (--max-length)"
                 )
-            seq = self._seqs[ctx.request_id]
             started = seq is None
             cached = 0
             if seq is None:
@@ -133,7 +149,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                     )
                 seq, cached = self._start(ctx, need)
             try:
-                self.manager.reserve({seq: tokens.processed_length + tokens.active_length})
+                self.manager.reserve({seq: self.manager.cache_lengths[seq] + tokens.active_length})
             except CacheFullError as error:
                 if started:
                     self.manager.release(seq)
@@ -168,6 +184,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 (seq,), cached = self.manager.claim(1), 0
         except CacheFullError as error:
             raise InsufficientBlocksError(f"maxkv: {error} (--max-batch-size)") from error
+        if self.streaming is not None:
+            assert isinstance(self.manager, PagedKVCacheManager)
+            self.manager.enable_sliding_window(seq, *self.streaming)
         if cached:
             ctx.tokens.skip_processing(cached)
         return seq, cached

@@ -52,6 +52,7 @@ from ...cache.hybrid import HybridKVCacheManager, layer_groups
 from ...cache.paged import PagedKVCacheManager
 from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
+from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
 from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
@@ -70,6 +71,12 @@ CACHE_KINDS = ("paged", "contiguous")
 PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
 #: Tokens per page unless set (vLLM's default block size).
 DEFAULT_PAGE_SIZE = 16
+#: Attention sinks in ``max serve`` (StreamingLLM): every request's cache keeps
+#: its first :data:`ATTENTION_SINKS_ENV` tokens and its last this many tokens.
+SLIDING_WINDOW_ENV = "MAXKV_SLIDING_WINDOW"
+#: The sink tokens kept with :data:`SLIDING_WINDOW_ENV` (default 4, StreamingLLM's).
+ATTENTION_SINKS_ENV = "MAXKV_ATTENTION_SINKS"
+DEFAULT_ATTENTION_SINKS = 4
 #: Set to ``1``: a model whose layers all slide keeps every page of a request
 #: until it ends, as maxkv did before it gave pages back (for comparisons).
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
@@ -189,6 +196,18 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         self.config = config
         params = cache_params(config)
         session = self._session(args, kwargs)
+        #: ``(window, sinks)`` every request's cache keeps (attention sinks), or ``None``.
+        self.streaming = streaming_window()
+        if self.streaming is not None and (config.sliding or cache_kind() != "paged"):
+            raise ValueError(
+                f"{SLIDING_WINDOW_ENV} gives attention sinks to a model whose layers attend "
+                "to every token, on the paged cache"
+                + (
+                    f"; {config.family}'s layers have windows of their own"
+                    if config.sliding
+                    else ""
+                )
+            )
         self.maxkv_manager = build_manager(
             cache_kind(),
             params,
@@ -203,6 +222,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             tiers=TierConfig.from_env(model_identity(path)),
             layer_windows=() if keep_window_pages() else config.layer_windows,
             step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
+            key_rotation=config.key_rotation() if self.streaming else None,
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
@@ -210,6 +230,13 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
         )
         logger.info("maxkv: %s, %s", path, describe(self.maxkv_manager))
+        if self.streaming is not None:
+            logger.info(
+                "maxkv: attention sinks: every request keeps its first %d tokens (in whole "
+                "pages) and its last %d",
+                self.streaming[1],
+                self.streaming[0],
+            )
 
     @staticmethod
     def _session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -319,6 +346,27 @@ def tokens_per_page(kv_cache_page_size: int) -> int:
     return DEFAULT_PAGE_SIZE
 
 
+def streaming_window() -> tuple[int, int] | None:
+    """``(window, sinks)`` from :data:`SLIDING_WINDOW_ENV` and
+    :data:`ATTENTION_SINKS_ENV`; ``None`` when no window is set.
+
+    Raises:
+        ValueError: If either is not a number of tokens (the window positive),
+            or sinks are set without a window.
+    """
+    window = os.environ.get(SLIDING_WINDOW_ENV, "").strip()
+    sinks = os.environ.get(ATTENTION_SINKS_ENV, "").strip()
+    if not window:
+        if sinks:
+            raise ValueError(f"{ATTENTION_SINKS_ENV} needs {SLIDING_WINDOW_ENV} (the window)")
+        return None
+    if not window.isdigit() or int(window) < 1:
+        raise ValueError(f"{SLIDING_WINDOW_ENV}={window!r}: expected a positive number of tokens")
+    if sinks and not sinks.isdigit():
+        raise ValueError(f"{ATTENTION_SINKS_ENV}={sinks!r}: expected a number of tokens")
+    return int(window), int(sinks) if sinks else DEFAULT_ATTENTION_SINKS
+
+
 def keep_window_pages() -> bool:
     """Whether :data:`KEEP_WINDOW_PAGES_ENV` asks to keep the pages a window passed.
 
@@ -346,6 +394,7 @@ def build_manager(
     tiers: TierConfig | None = None,
     layer_windows: Sequence[int | None] = (),
     step_tokens: int | None = None,
+    key_rotation: KeyRotation | None = None,
 ) -> KVCacheManagerBase:
     """maxkv's manager of ``kind`` for MAX's settings.
 
@@ -361,7 +410,8 @@ def build_manager(
     :class:`~maxkv.HybridKVCacheManager` whose sliding groups get the pages
     of ``max_batch_size`` windows and of one step of ``step_tokens`` new
     tokens (MAX's ``--max-batch-input-tokens``; default 8192), and whose
-    full-attention group gets the rest of the memory.
+    full-attention group gets the rest of the memory.  ``key_rotation``
+    (paged): the model's RoPE, for attention sinks.
 
     Raises:
         CacheDoesNotFitError: If the cache (paged: one ``max_seq_len``
@@ -414,6 +464,7 @@ def build_manager(
             enable_prefix_caching=prefix_caching,
             tiers=tiers,
             sliding_window=None if None in windows else max(w for w in windows if w),
+            key_rotation=key_rotation,
         )
     check_cache_fits(
         ContinuousBatchingKVCacheManager.estimated_memory_size(
