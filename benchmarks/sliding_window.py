@@ -2,6 +2,8 @@
 
     python benchmarks/sliding_window.py memory --json benchmarks/results/sliding_window_memory.json
     python benchmarks/sliding_window.py serve --json benchmarks/results/sliding_window_serve.json
+    python benchmarks/sliding_window.py perplexity \
+        --json benchmarks/results/sliding_window_perplexity.json
 
 ``memory``: for Gemma-3-1B (26 layers, 22 with a 512-token window) and
 Mistral-7B v0.1 (32 layers, all with a 4096-token window), published shapes,
@@ -27,6 +29,15 @@ Run once giving pages back (the default) and once with
 ``MAXKV_KEEP_WINDOW_PAGES=1``.  Per run: the most sequences alive at once
 (from ``MAXKV_EVENT_LOG``), output tokens/s, TTFT and inter-token latency
 percentiles, preemptions, and whether the texts equal the other run's.
+
+``perplexity``: SmolLM2-135M-Instruct (the README's model) reads the GPL-3
+text, then the GPL-3 text again (~15k tokens, past its 8,192-token
+context), one token a step through maxkv's paged cache, and the perplexity
+of each next token is taken from the model's logits, per 1,024-token
+stretch: with full attention (the first 8,192 tokens: its context), with a
+window of ``--window`` tokens only (no sinks), and with the window and
+``--sinks`` sink tokens (StreamingLLM; the sinks are kept in one page of
+16).  Every run reads the same tokens.
 """
 
 from __future__ import annotations
@@ -289,9 +300,101 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -------------------------------------------------------------- perplexity
+
+
+def perplexity(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from max.driver import CPU, Buffer
+    from max.engine import InferenceSession
+
+    from maxkv import PagedKVCacheManager
+    from maxkv.models import DecoderModel
+    from maxkv.models.decoder import cache_params
+    from maxkv.models.resolve import open_model
+
+    loaded = open_model("smollm2-135m")
+    assert loaded.tokenizer is not None
+    config = loaded.config
+    text = GPL.read_text()
+    ids = loaded.tokenizer.encode(text) + loaded.tokenizer.encode(text, add_special_tokens=False)
+    ids = ids[: args.tokens]
+    context = config.max_position_embeddings
+    device = CPU()
+    session = InferenceSession(devices=[device])
+    page = 16
+    manager = PagedKVCacheManager(
+        cache_params(config),
+        page,
+        context // page + 8,
+        1,
+        context,
+        config.num_hidden_layers,
+        [device],
+        session,
+        key_rotation=config.key_rotation(),
+    )
+    model = DecoderModel(
+        config, loaded.weights, manager, session, output="logits", quantized=loaded.quantized
+    )
+    runs: dict[str, Any] = {}
+    for name, sinks in (("full attention", None), ("window", 0), ("window + sinks", args.sinks)):
+        limit = min(len(ids), context) if sinks is None else len(ids)
+        (seq,) = manager.claim(1)
+        if sinks is not None:
+            manager.enable_sliding_window(seq, args.window, sinks)
+        nll = []
+        started = time.perf_counter()
+        for i in range(limit - 1):
+            (kv,) = manager.fetch([seq], 1)
+            token = Buffer.from_numpy(np.array([ids[i]], dtype=np.int64))
+            offsets = Buffer.from_numpy(np.array([0, 1], dtype=np.uint32))
+            logits = model.execute(token, offsets, kv).to_numpy()[0].astype(np.float64)
+            manager.step({seq: 1})
+            top = logits.max()
+            nll.append(top + math.log(np.exp(logits - top).sum()) - logits[ids[i + 1]])
+        elapsed = time.perf_counter() - started
+        manager.release(seq)
+        stretches = [
+            {
+                "tokens": [start + 1, min(start + 1024, limit - 1)],
+                "perplexity": float(math.exp(np.mean(nll[start : start + 1024]))),
+            }
+            for start in range(0, len(nll), 1024)
+        ]
+        runs[name] = {
+            "tokens_read": limit,
+            "perplexity": float(math.exp(np.mean(nll))),
+            "perplexity_first_4096": float(math.exp(np.mean(nll[:4095]))),
+            "per_1024_tokens": stretches,
+            "seconds": elapsed,
+        }
+        print(
+            f"{name:15s}: perplexity {runs[name]['perplexity']:.2f} over {limit} tokens, "
+            f"first 4096: {runs[name]['perplexity_first_4096']:.2f}; per 1024: "
+            + ", ".join(f"{s['perplexity']:.1f}" for s in stretches),
+            flush=True,
+        )
+    full = runs["full attention"]["perplexity_first_4096"]
+    return {
+        "model": "smollm2-135m",
+        "text": f"{GPL} twice",
+        "window": args.window,
+        "sinks": args.sinks,
+        "context": context,
+        "ratio_to_full_first_4096": {
+            name: run["perplexity_first_4096"] / full for name, run in runs.items()
+        },
+        "runs": runs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("memory", "serve"))
+    parser.add_argument("part", choices=("memory", "serve", "perplexity"))
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=15000)
     parser.add_argument("--page-sizes", default="16,128")
     parser.add_argument("--models", default="/work/bench_models", help="checkpoints folder")
     parser.add_argument("--conversations", type=int, default=16)
@@ -309,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     from maxkv_bench.report import machine_info
 
     started = time.time()
-    result = memory(args) if args.part == "memory" else serve(args)
+    result = {"memory": memory, "serve": serve, "perplexity": perplexity}[args.part](args)
     result = {"machine": machine_info("cpu"), "elapsed_s": time.time() - started, **result}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -324,3 +324,46 @@ def test_a_family_added_in_one_module_runs(tmp_path: Path, session: InferenceSes
         scheduler.submit(prompt, NEW_TOKENS)
     outputs, _ = scheduler.run()
     assert outputs == expected
+
+
+@pytest.mark.compile
+def test_gemma3_on_the_hybrid_cache_over_several_windows(
+    tmp_path: Path, session: InferenceSession
+) -> None:
+    """A prompt and an answer several windows long on the hybrid cache: the sliding
+    layers' pages go back while the full-attention layers keep every token, and the
+    greedy tokens are transformers'."""
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    directory = save_family_checkpoint(tmp_path, "gemma3", seed=11)
+    config, weights = load_model(directory)
+    rng = np.random.default_rng(4)
+    # 3.5 windows in all (the checkpoint's context is 512), the answer past one window.
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (2 * WINDOW + 30, 40)]
+    new_tokens = WINDOW + 40
+    expected = hf_generate(hf_from_pretrained(directory), prompts, new_tokens)
+    max_len = len(prompts[0]) + new_tokens
+    manager = HybridKVCacheManager(
+        cache_params(config),
+        PAGE_SIZE,
+        # the sliding layers: both prompts' pages at once, then two windows
+        [40, 2 * -(-max_len // PAGE_SIZE)],
+        2,
+        max_len,
+        config.layer_windows,
+        [CPU()],
+        session,
+    )
+    model = DecoderModel(config, weights, manager, session)
+    scheduler = ContinuousBatchingScheduler(model, manager, 2, num_steps=1)
+    for prompt in prompts:
+        scheduler.submit(prompt, new_tokens)
+    outputs, _ = scheduler.run()
+    assert outputs == expected
+    sliding, full = manager.groups
+    assert sliding.window.window == WINDOW and full.window.window is None
+    # The sliding layer ran in 40 pages, fewer than the two sequences of it
+    # would have held without giving pages back.
+    answered = [len(p) + new_tokens for p in prompts]
+    assert sliding.num_pages < sum(-(-n // PAGE_SIZE) for n in answered)
+    assert manager.free_pages == manager.num_pages

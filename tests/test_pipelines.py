@@ -274,21 +274,18 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.serve
-@pytest.mark.parametrize("cache", ["paged", "contiguous"])
-def test_max_generate_matches_transformers(
-    cache: str, tiny_llama_dir: Path, tmp_path: Path
-) -> None:
-    prompt = "hello world"
-    events = tmp_path / "events.jsonl"
-    result = subprocess.run(
+def max_generate(
+    directory: Path, prompt: str, max_length: int, max_batch: int, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``max generate`` on maxkv, greedy, pages of 16 tokens, ``env`` added."""
+    return subprocess.run(
         [
             MAX_CLI,
             "generate",
             *max_pipeline_args(
-                tiny_llama_dir,
-                *("--max-length", "64", "--max-batch-size", "2", "--kv-cache-page-size", "16"),
-                *("--top-k", "1", "--prompt", prompt),
+                directory,
+                *("--max-length", str(max_length), "--max-batch-size", str(max_batch)),
+                *("--kv-cache-page-size", "16", "--top-k", "1", "--prompt", prompt),
             ),
             "--max-new-tokens",
             str(NEW_TOKENS),
@@ -296,7 +293,19 @@ def test_max_generate_matches_transformers(
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, **OFFLINE, "MAXKV_EVENT_LOG": str(events), "MAXKV_CACHE": cache},
+        env={**os.environ, **OFFLINE, **env},
+    )
+
+
+@pytest.mark.serve
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_max_generate_matches_transformers(
+    cache: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    prompt = "hello world"
+    events = tmp_path / "events.jsonl"
+    result = max_generate(
+        tiny_llama_dir, prompt, 64, 2, MAXKV_EVENT_LOG=str(events), MAXKV_CACHE=cache
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     generated = result.stdout.split("Prompt size:")[0].strip("\n")
@@ -324,23 +333,7 @@ def test_max_generate_runs_every_family_as_transformers_does(
 
     directory = make_tiny_family_dir(tmp_path_factory.mktemp(family), family, seed=3)
     events = directory / "events.jsonl"
-    result = subprocess.run(
-        [
-            MAX_CLI,
-            "generate",
-            *max_pipeline_args(
-                directory,
-                *("--max-length", "256", "--max-batch-size", "1", "--kv-cache-page-size", "16"),
-                *("--top-k", "1", "--prompt", LONG_PROMPT),
-            ),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **OFFLINE, "MAXKV_EVENT_LOG": str(events)},
-    )
+    result = max_generate(directory, LONG_PROMPT, 256, 1, MAXKV_EVENT_LOG=str(events))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     generated = result.stdout.split("Prompt size:")[0].strip("\n")
     assert generated == transformers_completion(directory, LONG_PROMPT, NEW_TOKENS)
@@ -365,29 +358,14 @@ def test_max_generate_with_attention_sinks_runs_as_streaming_transformers(
     from .streaming_reference import streaming_completion
 
     events = tmp_path / "events.jsonl"
-    env = {
-        **os.environ,
-        **OFFLINE,
-        "MAXKV_EVENT_LOG": str(events),
-        "MAXKV_SLIDING_WINDOW": "32",
-        "MAXKV_ATTENTION_SINKS": "4",
-    }
-    result = subprocess.run(
-        [
-            MAX_CLI,
-            "generate",
-            *max_pipeline_args(
-                tiny_llama_dir,
-                *("--max-length", "256", "--max-batch-size", "1", "--kv-cache-page-size", "16"),
-                *("--top-k", "1", "--prompt", LONG_PROMPT),
-            ),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
+    result = max_generate(
+        tiny_llama_dir,
+        LONG_PROMPT,
+        256,
+        1,
+        MAXKV_EVENT_LOG=str(events),
+        MAXKV_SLIDING_WINDOW="32",
+        MAXKV_ATTENTION_SINKS="4",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     generated = result.stdout.split("Prompt size:")[0].strip("\n")

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from max.dtype import DType
 
-from maxkv import KVCacheParams
+from maxkv import CacheFullError, KVCacheParams
 from maxkv.cache.paged import UNUSED_PAGE, PagedKVCacheManager
 from maxkv.cache.rotation import KeyRotation
 from maxkv.cache.window import PageWindow
@@ -23,6 +26,7 @@ from maxkv.models.config import DecoderConfig
 from maxkv.tiers import TierConfig
 
 from . import fakes
+from .conftest import RELIABILITY_COUNTS
 
 pytestmark = pytest.mark.unit
 
@@ -344,3 +348,166 @@ def test_swap_keeps_a_sequence_with_sinks() -> None:
     stream_step(m, new, [40])
     assert cached(m, new)[0][-1] == 40
     m.close()
+
+
+class StreamMachine(RuleBasedStateMachine):
+    """Sequences with and without attention sinks on one paged cache with prefix
+    caching and swap space: claims (cached prefixes reused), steps of one or more
+    tokens, enabling sinks, forks, pop_n, swap out and in, releases.  The model is
+    each sequence's tokens and what its cache holds: the sink page and the last
+    tokens; every position reads back its token and the key a model would store
+    at that place in the cache, nothing else is held, and refcounts agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = stream_manager(
+            num_pages=20, enable_prefix_caching=True, tiers=TierConfig(swap_bytes=2**22)
+        )
+        #: Per live sequence: the tokens its cache holds, in cache order.
+        self.held: dict[int, list[int]] = {}
+        self.streams: dict[int, tuple[int, int]] = {}
+        self.swapped: list[tuple[object, list[int], tuple[int, int] | None]] = []
+        self.next_token = 1
+
+    def new_tokens(self, n: int) -> list[int]:
+        tokens = list(range(self.next_token, self.next_token + n))
+        self.next_token += n
+        return tokens
+
+    def slide(self, seq: int) -> None:
+        """The manager's documented rule, applied to the model."""
+        if seq not in self.streams:
+            return
+        window, sink_pages = self.streams[seq]
+        kept = sink_pages * PAGE
+        held = self.held[seq]
+        drop = (len(held) - kept - window) // PAGE
+        if drop > 0:
+            del held[kept : kept + drop * PAGE]
+            RELIABILITY_COUNTS["stream machine: pages dropped (keys moved)"] += drop
+
+    @rule(data=st.data())
+    def claim(self, data: st.DataObject) -> None:
+        if len(self.held) == 4:
+            return
+        if self.held and data.draw(st.booleans(), label="as a prefix of another"):
+            other = data.draw(st.sampled_from(sorted(self.held)))
+            prompt = [*self.held[other], *self.new_tokens(1)]
+        else:
+            prompt = self.new_tokens(data.draw(st.integers(1, 12)))
+        seq, cached = self.m.claim_prefix(prompt)
+        self.held[seq] = prompt[:cached]
+        if cached:
+            RELIABILITY_COUNTS["stream machine: prefix hits"] += 1
+        self.step_with(seq, prompt[cached:])
+
+    def step_with(self, seq: int, tokens: list[int]) -> None:
+        try:
+            self.m.reserve({seq: self.m.cache_lengths[seq] + len(tokens)})
+        except CacheFullError:
+            return
+        stream_step(self.m, seq, tokens)
+        self.held[seq] += tokens
+        self.slide(seq)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.held)))
+        self.step_with(seq, self.new_tokens(data.draw(st.integers(1, 8))))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def enable_sinks(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.held)))
+        window = data.draw(st.integers(1, 10))
+        sink = data.draw(st.integers(0, 5))
+        if seq in self.streams:
+            with pytest.raises(ValueError, match="already"):
+                self.m.enable_sliding_window(seq, window, sink)
+            return
+        self.m.enable_sliding_window(seq, window, sink)
+        self.streams[seq] = (window, -(-sink // PAGE))
+        self.slide(seq)
+        RELIABILITY_COUNTS["stream machine: sinks enabled"] += 1
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def fork_or_pop(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.held)))
+        held = self.held[seq]
+        pos = data.draw(st.integers(0, len(held)))
+        if data.draw(st.booleans(), label="fork"):
+            if len(self.held) == 4:
+                return
+            try:
+                child = self.m.fork(seq, pos)
+            except CacheFullError:
+                return
+            self.held[child] = held[:pos]
+            if seq in self.streams:
+                self.streams[child] = self.streams[seq]
+            RELIABILITY_COUNTS["stream machine: forks"] += 1
+        elif pos < len(held):
+            self.m.pop_n(seq, len(held) - pos)
+            del held[pos:]
+            RELIABILITY_COUNTS["stream machine: pop_n"] += 1
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.held)))
+        swapped = self.m.swap_out(seq)
+        self.swapped.append((swapped, self.held.pop(seq), self.streams.pop(seq, None)))
+        RELIABILITY_COUNTS["stream machine: swapped out"] += 1
+
+    @precondition(lambda self: self.swapped)
+    @rule()
+    def swap_in(self) -> None:
+        swapped, held, stream = self.swapped[0]
+        if len(self.held) == 4 or self.m.swap_in_pages(swapped) > self.m.free_pages:  # type: ignore[arg-type]
+            return
+        seq = self.m.swap_in(swapped)  # type: ignore[arg-type]
+        self.swapped.pop(0)
+        self.held[seq] = held
+        if stream is not None:
+            self.streams[seq] = stream
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.held)))
+        self.m.release(seq)
+        del self.held[seq]
+        self.streams.pop(seq, None)
+
+    @invariant()
+    def the_cache_holds_the_sinks_and_the_window_at_their_places(self) -> None:
+        m = self.m
+        assert dict(m.cache_lengths) == {s: len(h) for s, h in self.held.items()}
+        holders: dict[int, int] = {}
+        for seq, held in self.held.items():
+            row = m.pages(seq)
+            assert len(row) >= -(-len(held) // PAGE) and UNUSED_PAGE not in row
+            for page in row:
+                holders[page] = holders.get(page, 0) + 1
+            if held:
+                values, keys = cached(m, seq)
+                assert values == held
+                expected = np.stack(
+                    [[rotated(t, layer) for layer in range(2)] for t in range(len(held))]
+                )
+                np.testing.assert_allclose(keys, expected, atol=1e-4)
+        for page in range(m.num_pages):
+            assert m.page_refcount(page) == holders.get(page, 0)
+        assert m.free_pages == m.num_pages - len(holders)
+        RELIABILITY_COUNTS["stream machine: steps"] += 1
+
+
+StreamMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStreamStateMachine = StreamMachine.TestCase

@@ -255,13 +255,18 @@ class HybridKVCacheManager(KVCacheManagerBase):
             return tuple(group.pages(seq_id) for group in self.groups)
 
     def storage_units(self, tokens: int) -> int:
-        """Pages of one group a sequence of ``tokens`` tokens holds at most."""
+        """Pages of a full-attention group a sequence of ``tokens`` tokens holds at
+        most (the sliding groups hold fewer: :meth:`plan_pages` sizes them for the
+        batch's windows and one step; a step one of them has no room for raises
+        ``CacheFullError``)."""
         return math.ceil(tokens / self.page_size)
 
     @property
     def total_storage_units(self) -> int:
-        """Pages of the smallest group (the one that bounds how many tokens fit)."""
-        return min(group.num_pages for group in self.groups)
+        """Pages of the full-attention group (the one that bounds how many tokens
+        fit; of the smallest group when every group slides)."""
+        full = [g.num_pages for g in self.groups if not g.window.slides]
+        return min(full or [g.num_pages for g in self.groups])
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -236,6 +236,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
             raise ArgumentTypeError(
                 f"key_rotation must be a KeyRotation, got {type(key_rotation).__name__}"
             )
+        if key_rotation is not None and key_rotation.num_layers != num_layers:
+            raise ValueError(
+                f"key_rotation has {key_rotation.num_layers} layers; the cache {num_layers}"
+            )
         #: Which pages a sequence keeps (every page without a sliding window).
         self.window = PageWindow(sliding_window, page_size)
         if tiers is not None and not isinstance(tiers, TierConfig):
@@ -273,10 +277,6 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._hashes: dict[int, list[bytes]] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = self.cache_device.zeros(shape, self.params.dtype)
-        if key_rotation is not None and key_rotation.num_layers != self.num_layers:
-            raise ValueError(
-                f"key_rotation has {key_rotation.num_layers} layers; the cache {self.num_layers}"
-            )
         self._tier_config = tiers if tiers is not None else TierConfig()
         self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
         #: Prompt tokens loaded from the tiers instead of computed.

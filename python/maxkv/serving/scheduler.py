@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer
 
+from ..cache.hybrid import HybridKVCacheManager
 from ..cache.paged import PagedKVCacheManager, SwappedSequence
 from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
@@ -553,7 +554,7 @@ class ContinuousBatchingScheduler:
         steps = 1 if prefill else self._steps(batch)
         seq_ids = [_seq_id(r) for r in batch]
         kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
-        if isinstance(self.manager, PagedKVCacheManager):
+        if isinstance(self.manager, (PagedKVCacheManager, HybridKVCacheManager)):
             held = self.manager.num_pages - self.manager.free_pages
             stats.peak_units_in_use = max(stats.peak_units_in_use, held)
 
