@@ -22,9 +22,9 @@ with 1 KV head of 2 values (the bookkeeping does not depend on it), so the
 weights, SmolLM2's tokenizer), the same KV memory budget for both runs
 (``--device-memory-utilization`` chosen for about ``--budget-sequences``
 full-length sequences; the cache size each server logged is reported), C
-conversations in flight, each a different ~3,300-token slice of the GPL-3
+conversations in flight, each a different ~3,900-token slice of the GPL-3
 text (``/usr/share/common-licenses/GPL-3``) as system prompt then 4 turns
-resent with the history (64 new tokens each, greedy): up to ~3,700 tokens.
+resent with the history (64 new tokens each, greedy): up to ~4,200 tokens.
 Run once giving pages back (the default) and once with
 ``MAXKV_KEEP_WINDOW_PAGES=1``.  Per run: the most sequences alive at once
 (from ``MAXKV_EVENT_LOG``), output tokens/s, TTFT and inter-token latency
@@ -399,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="/work/bench_models", help="checkpoints folder")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--context-tokens", type=int, default=3300)
+    parser.add_argument("--context-tokens", type=int, default=3900)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--max-length", type=int, default=4608)
     parser.add_argument("--budget-sequences", type=float, default=4.0)
     parser.add_argument("--server-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=1800.0)
