@@ -6,12 +6,14 @@ cache and hands a graph four tensors per device; inside the graph,
 :class:`FetchContinuousBatchingKVCacheCollection` (or
 :class:`FetchPagedKVCacheCollection`) wraps them into one opaque collection
 that maxkv's Mojo ops (:mod:`maxkv.ops`) consume.  Load :func:`kernels_path`
-as a custom extension.
+as a custom extension.  :class:`HybridKVCacheManager` groups the layers of a
+model with sliding-window and full-attention layers (Gemma 3), a paged cache
+and a collection per group.
 
 The packages, bottom to top: :mod:`maxkv.cache` (the managers' bookkeeping),
 :mod:`maxkv.graph` (collection types and KV-cache ops), :mod:`maxkv.cpu`
-(the model graph's CPU kernels), :mod:`maxkv.models` (Llama, loading,
-references), :mod:`maxkv.serving` (the scheduler, MAX's pipelines) and
+(the model graph's CPU kernels), :mod:`maxkv.models` (the model families,
+loading, references), :mod:`maxkv.serving` (the scheduler, MAX's pipelines) and
 :mod:`maxkv.blend` (CacheBlend).
 """
 
