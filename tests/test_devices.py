@@ -16,7 +16,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from maxkv import FetchContinuousBatchingKVCacheCollection, KVCacheParams
 from maxkv import ops as kvops
-from maxkv.cache.spec import BATCH_DIM
+from maxkv.cache.spec import BATCH_DIM, CacheSpec
 from maxkv.graph.checks import same_device
 from maxkv.models.config import default_llama
 from maxkv.models.decoder import build_decoder_graph, cache_params
@@ -47,22 +47,14 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
     config, _ = default_llama()
     params = cache_params(config)
     types = cache_types(params, config.num_hidden_layers, GPU)
-    graph = build_decoder_graph(
-        config, params, types, FetchContinuousBatchingKVCacheCollection(params), GPU
-    )
+    collections = CacheSpec(params, config.num_hidden_layers).layer_collections
+    graph = build_decoder_graph(config, params, types, collections, GPU)
     text = str(graph)
     assert "maxkv.fused_qkv_ragged_matmul" in text
     for cpu_only in ("linear_packed", "store_kv_ragged", "swiglu", "greedy_head"):
         assert f"maxkv.{cpu_only}" not in text, cpu_only
     with pytest.raises(ValueError, match="greedy_head needs a CPU graph"):
-        build_decoder_graph(
-            config,
-            params,
-            types,
-            FetchContinuousBatchingKVCacheCollection(params),
-            GPU,
-            greedy_head=True,
-        )
+        build_decoder_graph(config, params, types, collections, GPU, greedy_head=True)
 
 
 @pytest.mark.compile
