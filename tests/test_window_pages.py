@@ -10,6 +10,8 @@ against transformers with pages given back.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,7 +24,7 @@ from maxkv.cache.paged import UNUSED_PAGE, PagedKVCacheManager
 from maxkv.cache.rotation import KeyRotation
 from maxkv.cache.window import PageWindow
 from maxkv.errors import ArgumentTypeError
-from maxkv.models.config import DecoderConfig
+from maxkv.models.config import default_llama
 from maxkv.tiers import TierConfig
 
 from . import fakes
@@ -187,18 +189,10 @@ def test_swap_keeps_only_the_window() -> None:
 
 
 def test_cache_window_of_a_model() -> None:
-    base = dict(
-        vocab_size=8,
-        hidden_size=4,
-        intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=4,
-    )
-    assert DecoderConfig(**base).cache_window is None  # type: ignore[arg-type]
-    assert DecoderConfig(**base, layer_windows=(256, 128)).cache_window == 256  # type: ignore[arg-type]
-    assert DecoderConfig(**base, layer_windows=(256, None)).cache_window is None  # type: ignore[arg-type]
+    config, _ = default_llama()
+    assert config.cache_window is None
+    assert replace(config, layer_windows=(256, 128)).cache_window == 256
+    assert replace(config, layer_windows=(256, None)).cache_window is None
 
 
 def test_release_frees_only_held_pages() -> None:
