@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (--cache paged)")
     parser.add_argument(
+        "--kv-cache-format",
+        help="how the cache stores keys and values: float32 (default), bfloat16 or float16 "
+        "(half the bytes; the model computes float32)",
+    )
+    parser.add_argument(
         "--num-pages",
         type=int,
         help="pages in the cache (--cache paged; default: enough for a full batch of the "
@@ -273,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.max_new_tokens} it needs {needed} positions, past the model's context "
                 f"of {config.max_position_embeddings}"
             )
+        params = cache_params(config, cache_dtype=args.kv_cache_format)
     except (ModelLoadError, ModelFetchError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -282,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache == "paged":
         num_pages = args.num_pages or args.max_batch_size * -(-needed // args.page_size)
         manager = PagedKVCacheManager(
-            cache_params(config),
+            params,
             args.page_size,
             num_pages,
             args.max_batch_size,
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         manager = ContinuousBatchingKVCacheManager(
-            cache_params(config),
+            params,
             args.max_batch_size,
             needed,
             config.num_hidden_layers,

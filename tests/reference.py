@@ -6,6 +6,8 @@ not from maxkv's code: the tests compare maxkv's kernels against it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -86,14 +88,18 @@ class ReferenceLayerCache:
         theta: float,
         interleaved: bool,
         window: int | None = None,
+        store: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """One layer step over a ragged batch.
 
         Returns the rotated Q, the causal attention output, the attention
         output without a mask and that of the causal mask limited to
         ``window`` tokens (the causal output again without one), each
-        ``[total_tokens, n_heads, head_dim]``.
+        ``[total_tokens, n_heads, head_dim]``.  ``store`` maps the rotated K
+        and the V to what the cache keeps (its encoding's rounding); the
+        attention reads what is kept.
         """
+        keep = store or (lambda a: a)
         qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T
         q_all = qkv[:, : n_heads * head_dim].reshape(-1, n_heads, head_dim)
         k_all = qkv[:, n_heads * head_dim : (n_heads + n_kv) * head_dim].reshape(-1, n_kv, head_dim)
@@ -108,9 +114,9 @@ class ReferenceLayerCache:
             q = rope(q_all[rows], positions, theta, interleaved)
             k = rope(k_all[rows], positions, theta, interleaved)
             key = (seq, layer)
-            self.k[key] = np.concatenate([self.k.get(key, np.zeros((0, n_kv, head_dim))), k])
+            self.k[key] = np.concatenate([self.k.get(key, np.zeros((0, n_kv, head_dim))), keep(k)])
             self.v[key] = np.concatenate(
-                [self.v.get(key, np.zeros((0, n_kv, head_dim))), v_all[rows]]
+                [self.v.get(key, np.zeros((0, n_kv, head_dim))), keep(v_all[rows])]
             )
             q_out.append(q)
             scale = 1.0 / np.sqrt(head_dim)

@@ -57,10 +57,14 @@ class AttentionConfig:
     num_layers: int = 2
     slots: int = 6
     max_seq_len: int = 32
+    #: The cache encoding (``None``: the compute dtype).
+    cache_dtype: DType | None = None
 
     @property
     def params(self) -> KVCacheParams:
-        return KVCacheParams(self.dtype, self.n_kv_heads, self.head_dim)
+        return KVCacheParams(
+            self.dtype, self.n_kv_heads, self.head_dim, cache_dtype=self.cache_dtype
+        )
 
     def manager(self, session: InferenceSession) -> ContinuousBatchingKVCacheManager:
         return ContinuousBatchingKVCacheManager(
@@ -75,6 +79,22 @@ GQA_F32_WINDOW = AttentionConfig(
 MHA_F32 = AttentionConfig(DType.float32, 2, 2, 32, interleaved=True)
 GQA_BF16 = AttentionConfig(DType.bfloat16, 4, 2, 16, interleaved=False)
 GQA_F32_STORE_ROPE = AttentionConfig(DType.float32, 4, 2, 16, interleaved=False, store_rope=True)
+# A float32 model over a bfloat16 / float16 cache: stored (and rotated) by
+# maxkv's store op, attended by maxkv's CPU kernel (causal and no mask).
+GQA_F32_CACHE_BF16 = AttentionConfig(
+    DType.float32,
+    4,
+    2,
+    16,
+    interleaved=False,
+    store_rope=True,
+    cache_dtype=DType.bfloat16,
+    window=128,
+    max_seq_len=320,
+)
+MHA_F32_STORE_ROPE_CACHE_F16 = AttentionConfig(
+    DType.float32, 2, 2, 32, interleaved=True, store_rope=True, cache_dtype=DType.float16
+)
 MHA_F32_STORE_ROPE = AttentionConfig(DType.float32, 2, 2, 32, interleaved=True, store_rope=True)
 
 
@@ -121,7 +141,20 @@ def build_layer_graph(
                 freqs_cis=freqs,
                 interleaved=config.interleaved,
             )
-            graph.output(q.reshape(["total_tokens", config.n_heads, config.head_dim]))
+            q = q.reshape(["total_tokens", config.n_heads, config.head_dim])
+            outputs = [q]
+            if config.cache_dtype is not None:  # attention over the encoded cache too
+                outputs.append(kvops.flash_attention_ragged(params, q, offsets, kv, layer))
+                outputs.append(
+                    kvops.flash_attention_ragged(params, q, offsets, kv, layer, mask_variant="null")
+                )
+                if config.window:
+                    outputs.append(
+                        kvops.flash_attention_ragged(
+                            params, q, offsets, kv, layer, window=config.window
+                        )
+                    )
+            graph.output(*outputs)
             return session.load(graph)
         q = kvops.fused_qkv_ragged_matmul(params, x, offsets, wqkv, kv, layer)
         q = q.reshape(["total_tokens", config.n_heads, config.head_dim])
@@ -160,6 +193,19 @@ def as_numpy(buffer: Buffer) -> np.ndarray:
         raw = buffer.view(DType.uint16).to_numpy().astype(np.uint32) << 16
         return raw.view(np.float32)
     return buffer.to_numpy().astype(np.float32)
+
+
+def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """What a cache of encoding ``dtype`` keeps of float64 values computed in
+    float32: rounded to float32, then to ``dtype`` (nearest, ties to even), as float64."""
+    single = np.asarray(array, dtype=np.float32)
+    if dtype == DType.bfloat16:
+        bits = single.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    if dtype == DType.float16:
+        return single.astype(np.float16).astype(np.float64)
+    return single.astype(np.float64)
 
 
 def to_buffer(array: np.ndarray, dtype: DType) -> Buffer:
@@ -219,6 +265,7 @@ class LayerHarness:
             THETA,
             cfg.interleaved,
             cfg.window,
+            store=None if cfg.cache_dtype is None else lambda a: encode(a, cfg.params.cache_dtype),
         )
         return [as_numpy(o) for o in outputs], expected
 
@@ -378,6 +425,50 @@ def test_bf16_gqa_prefill_then_decode(
         harness.manager.step(dict(zip(seqs, new_tokens, strict=True)))
     harness.check_cache(BF16_ATOL)
     print(f"bf16 worst abs error vs float64 reference: {worst:.3g}")
+
+
+# The cache keeps K and V rounded to its encoding (the reference rounds them the
+# same way); Q, the weights and the arithmetic stay float32, so what is left is
+# float32 error and, rarely, a K that float32 and float64 round to neighbouring
+# bf16/f16 values (one unit in the last place: 2**-8 / 2**-11 relative).
+CACHE_ATOL = {DType.bfloat16: 2e-2, DType.float16: 3e-3}
+
+
+@pytest.mark.parametrize(
+    "config", [GQA_F32_CACHE_BF16, MHA_F32_STORE_ROPE_CACHE_F16], ids=["bf16-gqa", "f16-mha"]
+)
+def test_float32_model_over_a_narrower_cache(
+    layer_model: Callable[[AttentionConfig], Model],
+    session: InferenceSession,
+    config: AttentionConfig,
+) -> None:
+    """A float32 model with a bfloat16 or float16 cache: the cache holds K and V
+    rounded to its encoding, and prefill, decode and mixed steps (causal, no mask
+    and, for bf16, a sliding window shorter than the prompt) attend over exactly
+    those values."""
+    assert config.cache_dtype is not None
+    harness = LayerHarness(config, layer_model(config), session, seed=6)
+    manager = harness.manager
+    manager.claim(4)
+    seqs = [2, 0, 3]
+    assert manager.fetch(seqs)[0][0].dtype == config.cache_dtype
+    atol = CACHE_ATOL[config.cache_dtype]
+    worst = 0.0
+    prompt = 150 if config.window else 13  # past the window
+    for new_tokens in ([prompt, 5, 1], [1, 1, 1], [1, 4, 2]):
+        for layer in (0, 1):
+            actual, expected = harness.run(layer, seqs, new_tokens)
+            for got, want in zip(actual, expected, strict=False):
+                worst = max(worst, float(np.abs(got - want).max()))
+            check(actual, expected, atol)
+        manager.step(dict(zip(seqs, new_tokens, strict=True)))
+    # The cache holds exactly the encoding's values of the reference's K and V.
+    blocks = harness.blocks()
+    for (seq, layer), keys in harness.reference.k.items():
+        n = keys.shape[0]
+        for kv, expected in ((0, keys), (1, harness.reference.v[(seq, layer)])):
+            np.testing.assert_allclose(blocks[seq, kv, layer, :n], expected, rtol=2**-7, atol=1e-6)
+    print(f"{config.cache_dtype.name} cache: worst abs error vs float64 reference {worst:.3g}")
 
 
 # ------------------------------------------------------------- kernel guards

@@ -367,3 +367,76 @@ def test_gemma3_on_the_hybrid_cache_over_several_windows(
     answered = [len(p) + new_tokens for p in prompts]
     assert sliding.num_pages < sum(-(-n // PAGE_SIZE) for n in answered)
     assert manager.free_pages == manager.num_pages
+
+
+@pytest.mark.compile
+def test_logits_over_a_bfloat16_cache_match_transformers_reading_bfloat16_kv(
+    tmp_path: Path, session: InferenceSession
+) -> None:
+    """A float32 Llama 3 over a paged bfloat16 cache: its last-token logits (ragged
+    prefill, mixed, decode) equal transformers' when transformers' attention reads
+    keys (after RoPE) and values rounded to bfloat16 as the cache stores them; and
+    they differ from float32 KV's by more than the tolerance, so the encoding is
+    what is checked."""
+    torch = pytest.importorskip("torch")
+    from max.dtype import DType
+    from transformers.models.llama import modeling_llama
+
+    from maxkv.models.hf import hf_from_pretrained
+
+    checkpoint = save_family_checkpoint(tmp_path, "llama3", seed=11)
+    config, weights = load_model(checkpoint)
+    hf = hf_from_pretrained(checkpoint)
+    params = cache_params(config, cache_dtype=DType.bfloat16)
+    manager = PagedKVCacheManager(
+        params, PAGE_SIZE, 24, 3, 96, config.num_hidden_layers, [CPU()], session
+    )
+    model = DecoderModel(config, weights, manager, session, output="logits")
+
+    def bf16(x: Any) -> Any:
+        return x.to(torch.bfloat16).to(x.dtype)
+
+    rope = modeling_llama.apply_rotary_pos_emb
+
+    def rounded_rope(*args: Any, **kwargs: Any) -> Any:
+        q, k = rope(*args, **kwargs)
+        return q, bf16(k)
+
+    def reference(tokens: list[int], rounded: bool) -> np.ndarray:
+        hooks = []
+        if rounded:
+            hooks = [
+                layer.self_attn.v_proj.register_forward_hook(lambda m, i, out: bf16(out))
+                for layer in hf.model.layers
+            ]
+            modeling_llama.apply_rotary_pos_emb = rounded_rope
+        try:
+            with torch.no_grad():
+                return hf(torch.tensor([tokens])).logits[0, -1].float().numpy()
+        finally:
+            modeling_llama.apply_rotary_pos_emb = rope
+            for hook in hooks:
+                hook.remove()
+
+    rng = np.random.default_rng(7)
+    seqs = manager.claim(3)
+    history: dict[int, list[int]] = {seq: [] for seq in seqs}
+    apart = 0.0
+    for lengths in ([40, 21, 5], [1, 1, 3], [1, 1, 1]):
+        chunks = [rng.integers(3, config.vocab_size, n).tolist() for n in lengths]
+        (inputs,) = manager.fetch(seqs, active_lengths=lengths)
+        assert inputs.blocks.dtype == DType.bfloat16
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+        tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+        logits = model.execute(Buffer.from_numpy(tokens), Buffer.from_numpy(offsets), inputs)
+        manager.step(dict(zip(seqs, lengths, strict=True)))
+        got = logits.to_numpy()
+        for row, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
+            history[seq] += chunk
+            want = reference(history[seq], rounded=True)
+            atol = 1e-3 * max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(got[row], want, rtol=0, atol=atol)
+            apart = max(apart, float(np.abs(reference(history[seq], False) - want).max()) / atol)
+    assert apart > 1, "float32 KV is within the tolerance: the test would not see the encoding"
+    for seq in seqs:
+        manager.release(seq)

@@ -26,7 +26,7 @@ from max.gpu.host.info import is_cpu
 
 from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
-from .decode_attention import decode_applies, decode_attention
+from .decode_attention import MAX_GROUP, cpu_attention, cpu_attention_applies, is_decode_step
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
 
@@ -115,24 +115,60 @@ def flash_attention[
     `SlidingWindowCausalMask[window]`, transformers' sliding window), and
     `window` is positive; it is 0 with the other two.
 
-    A decode step on CPU (one new token per sequence) runs maxkv's
-    `decode_attention` over the tokens the mask lets the new token see: for
-    one new token, causal and null both see every cached token, a sliding
-    window its last `window`.  Anything else runs MAX's generic kernel.
+    On CPU maxkv's `cpu_attention` runs a decode step (one new token per
+    sequence) and every step over a cache whose encoding is not the query's
+    dtype (MAX's CPU kernel needs them equal); MAX's generic kernel runs the
+    rest (prefill and mixed steps over a cache in the model's dtype, and
+    every step on a GPU, where the graph side refuses another encoding).
     """
     comptime assert (window > 0) == (mask_str == "sliding_window_causal"), (
         "a window goes with the sliding_window_causal mask, and only with it"
     )
+    comptime converts = C.View.dtype != dtype
     var layer = check_layer(kv, layer_idx)
     check_row_count[target](kv, input_row_offsets, input.dim_size(0))
     comptime if is_cpu[target]():
-        if decode_applies[head_dim](
-            input_row_offsets, kv.batch(), input.dim_size(1), kv_heads
-        ):
-            decode_attention[kv_heads=kv_heads, head_dim=head_dim](
-                output, input, kv, Int(layer), scale, window
-            )
+        var q_heads = input.dim_size(1)
+        var ours = cpu_attention_applies[head_dim](q_heads, kv_heads)
+        comptime if converts:
+            if not ours:
+                raise Error(
+                    "maxkv: attention over a ", C.View.dtype, " cache from ", dtype,
+                    " queries needs head_dim (", head_dim, ") a multiple of the SIMD width and",
+                    " whole groups of query heads per KV head",
+                )
+        var decode = q_heads // kv_heads <= MAX_GROUP and is_decode_step(
+            input_row_offsets, kv.batch()
+        )
+        if ours and (converts or decode):
+            cpu_attention[
+                kv_heads=kv_heads, head_dim=head_dim, null_mask=mask_str == "null"
+            ](output, input, input_row_offsets, kv, Int(layer), scale, window)
             return
+    comptime if not converts:
+        _max_flash_attention[mask_str=mask_str, window=window, scale=scale, target=target](
+            output, input, input_row_offsets, kv, layer, ctx
+        )
+    else:
+        raise Error("maxkv: attention over a cache in another encoding runs on CPU only")
+
+
+def _max_flash_attention[
+    C: MaxkvKVCollection,
+    dtype: DType,
+    mask_str: StaticString,
+    window: Int,
+    scale: Float32,
+    target: StaticString,
+](
+    output: OutputTensor[dtype=dtype, rank=3, ...],
+    input: InputTensor[dtype=dtype, rank=3, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    layer: UInt32,
+    ctx: DeviceContext,
+) raises:
+    """MAX's generic ragged flash attention (the cache in the query's dtype)."""
     var view = kv.view()
     var metadata = MHADecodeDispatchMetadata(
         kv.batch(), Int(kv.max_new_tokens()), 0, Int(kv.max_context_length())

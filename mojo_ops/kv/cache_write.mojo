@@ -24,18 +24,20 @@ from .paged_collection import PagedKVCacheCollection
 
 @always_inline
 def _copy_row[
-    dtype: DType
+    dst_dtype: DType, src_dtype: DType
 ](
-    dst: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
-    src: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    dst: UnsafePointer[Scalar[dst_dtype], MutUntrackedOrigin],
+    src: UnsafePointer[Scalar[src_dtype], MutUntrackedOrigin],
     count: Int,
 ):
+    """`count` values from `src` to `dst`, converted to `dst_dtype` (a float
+    narrowing rounds to nearest even; the same dtype copies the bits)."""
     var i = 0
     while i + 16 <= count:
-        dst.unsafe_store(i, src.unsafe_load[width=16](i))
+        dst.unsafe_store(i, src.unsafe_load[width=16](i).cast[dst_dtype]())
         i += 16
     while i < count:
-        dst[unsafe_offset=i] = src[unsafe_offset=i]
+        dst[unsafe_offset=i] = src[unsafe_offset=i].cast[dst_dtype]()
         i += 1
 
 
@@ -46,10 +48,10 @@ are stored faster by one thread than split (each token is ~1 KB of copies)."""
 
 @always_inline
 def _rotate_heads[
-    dtype: DType, head_dim: Int, interleaved: Bool
+    dst_dtype: DType, src_dtype: DType, head_dim: Int, interleaved: Bool
 ](
-    dst: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
-    src: UnsafePointer[Scalar[dtype], MutUntrackedOrigin],
+    dst: UnsafePointer[Scalar[dst_dtype], MutUntrackedOrigin],
+    src: UnsafePointer[Scalar[src_dtype], MutUntrackedOrigin],
     heads: Int,
     freq: SIMD[DType.float32, head_dim],
 ):
@@ -58,7 +60,8 @@ def _rotate_heads[
 
     The arithmetic of MAX's `nn.fused_qk_rope.rope_value` (a `ComplexSIMD`
     product in float32) on the pairs `(x[2i], x[2i + 1])` (`interleaved`) or
-    `(x[i], x[i + head_dim / 2])`, so the results are the same bits.
+    `(x[i], x[i + head_dim / 2])`, so the results are the same bits; they are
+    stored in `dst_dtype` (the cache encoding, for keys).
     """
     comptime half = head_dim // 2
     comptime Half = SIMD[DType.float32, half]
@@ -78,9 +81,14 @@ def _rotate_heads[
             im = x.slice[half, offset=half]()
         var r = ComplexSIMD(re, im) * ComplexSIMD(f_re, f_im)
         comptime if interleaved:
-            dst.unsafe_store(h * head_dim, rebind[SIMD[dtype, head_dim]](r.re.interleave(r.im).cast[dtype]()))
+            dst.unsafe_store(
+                h * head_dim,
+                rebind[SIMD[dst_dtype, head_dim]](r.re.interleave(r.im).cast[dst_dtype]()),
+            )
         else:
-            dst.unsafe_store(h * head_dim, rebind[SIMD[dtype, head_dim]](r.re.join(r.im).cast[dtype]()))
+            dst.unsafe_store(
+                h * head_dim, rebind[SIMD[dst_dtype, head_dim]](r.re.join(r.im).cast[dst_dtype]())
+            )
 
 
 def _store_rows[
@@ -99,9 +107,11 @@ def _store_rows[
 
     Checks done by the caller.  Token `t` of batch entry `b` sits at position
     `cache_length[b] + t`; with `rope`, `freqs` row `position` holds that
-    position's `cos, sin` pairs.  Split over worker threads by tokens.
+    position's `cos, sin` pairs.  K and V are converted to the cache's
+    encoding on the way (`C.View.dtype`; `dtype` is the model's).  Split over
+    worker threads by tokens.
     """
-    comptime assert C.View.dtype == dtype, "qkv dtype differs from the cache's"
+    comptime cache_dtype = C.View.dtype
     comptime kv_width = num_heads * head_dim
     var width = q_width + 2 * kv_width
     var q_heads = q_width // head_dim
@@ -115,20 +125,20 @@ def _store_rows[
                 b += 1
             var position = kv.cache_length(b) + t - Int(offsets[unsafe_offset=b])
             var row = src.unsafe_offset(t * width)
-            var k_dst = kv.row_ptr(0, layer, b, position).unsafe_bitcast[Scalar[dtype]]()
+            var k_dst = kv.row_ptr(0, layer, b, position).unsafe_bitcast[Scalar[cache_dtype]]()
             comptime if rope:
                 var freq = freqs.unsafe_load[width=head_dim](position * head_dim)
-                _rotate_heads[dtype, head_dim, interleaved](
+                _rotate_heads[dtype, dtype, head_dim, interleaved](
                     q_out.unsafe_offset(t * q_width), row, q_heads, freq
                 )
-                _rotate_heads[dtype, head_dim, interleaved](
+                _rotate_heads[cache_dtype, dtype, head_dim, interleaved](
                     k_dst, row.unsafe_offset(q_width), num_heads, freq
                 )
             else:
                 _copy_row(q_out.unsafe_offset(t * q_width), row, q_width)
                 _copy_row(k_dst, row.unsafe_offset(q_width), kv_width)
             _copy_row(
-                kv.row_ptr(1, layer, b, position).unsafe_bitcast[Scalar[dtype]](),
+                kv.row_ptr(1, layer, b, position).unsafe_bitcast[Scalar[cache_dtype]](),
                 row.unsafe_offset(q_width + kv_width),
                 kv_width,
             )
@@ -259,10 +269,10 @@ def write_kv[
     """Writes precomputed K and V rows (`[total_tokens, num_heads * head_dim]`) into
     the cache of `layer_idx`: token `t` of sequence `b` at `cache_length[b] + t`.
 
-    For KV computed outside the model graph (CacheBlend).  Returns the rows written.
+    For KV computed outside the model graph (CacheBlend); converted to the
+    cache's encoding on the way.  Returns the rows written.
     """
     comptime assert is_cpu[target](), "maxkv.write_kv_ragged runs on CPU"
-    comptime assert C.View.dtype == dtype, "K/V dtype differs from the cache's"
     comptime kv_width = num_heads * head_dim
     var layer = Int(check_layer(kv, layer_idx))
     var tokens = keys.dim_size(0)
@@ -273,12 +283,8 @@ def write_kv[
         or values.dim_size(1) != kv_width
     ):
         raise Error("maxkv.write_kv_ragged: keys and values must be [total_tokens, ", kv_width, "]")
-    var k_src = keys.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
-        Scalar[C.View.dtype]
-    ]()
-    var v_src = values.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[
-        Scalar[C.View.dtype]
-    ]()
+    var k_src = keys.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var v_src = values.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     for b in range(kv.batch()):
         var start = Int(input_row_offsets[b])
         var cached = kv.cache_length(b)

@@ -25,3 +25,8 @@ class ArgumentTypeError(TypeError, ValueError):
 class CacheFullError(ValueError):
     """The request is valid but the cache has no room for it now (no free
     sequence id, too few free pages): retry after a release."""
+
+
+class UnsupportedEncodingError(ValueError):
+    """A KV cache encoding maxkv knows by name but does not implement (``int8``,
+    ``float8_e4m3fn``, ...); the message names the ones it does."""

@@ -21,7 +21,6 @@ adds the slots and, opt-in, prefix caching:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -103,7 +102,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             else None
         )
         shape = self.block_shape(self.max_cache_batch_size)
-        self._blocks = self.cache_device.zeros(shape, self.params.dtype)
+        self._blocks = self.cache_device.zeros(shape, self.params.cache_dtype)
 
     # ------------------------------------------------------------------ sizes
 
@@ -135,17 +134,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             devices,
             batch_arg="max_cache_batch_size",
         )
-        per_device = math.prod(
-            (
-                max_cache_batch_size,
-                2,
-                num_layers,
-                max_seq_len,
-                params.n_kv_heads_per_device,
-                params.head_dim,
-            )
-        )
-        return int(per_device * params.dtype.size_in_bytes * len(devices))
+        tokens = max_cache_batch_size * max_seq_len
+        return tokens * params.token_bytes(num_layers) * len(devices)
 
     @property
     def slots_remaining(self) -> int:

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from max.driver import Device
+from max.dtype import DType
 from max.engine import InferenceSession
 
 from ..errors import ArgumentTypeError, CacheFullError
@@ -240,6 +241,11 @@ class PagedKVCacheManager(KVCacheManagerBase):
             raise ValueError(
                 f"key_rotation has {key_rotation.num_layers} layers; the cache {num_layers}"
             )
+        if key_rotation is not None and params.cache_dtype == DType.bfloat16:
+            raise ValueError(
+                "attention sinks rotate cached keys in NumPy, which has no bfloat16: keep "
+                "the cache in float16 or float32"
+            )
         #: Which pages a sequence keeps (every page without a sliding window).
         self.window = PageWindow(sliding_window, page_size)
         if tiers is not None and not isinstance(tiers, TierConfig):
@@ -276,7 +282,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._salts: dict[int, str | None] = {}
         self._hashes: dict[int, list[bytes]] = {}
         shape = self.pages_shape(self.num_pages)
-        self._pages = self.cache_device.zeros(shape, self.params.dtype)
+        self._pages = self.cache_device.zeros(shape, self.params.cache_dtype)
         self._tier_config = tiers if tiers is not None else TierConfig()
         self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
         #: Prompt tokens loaded from the tiers instead of computed.
@@ -310,8 +316,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         validate_sizes(params, 1, 1, num_layers, devices)
         require_int("page_size", page_size, 1)
         require_int("num_pages", num_pages, 1)
-        per_page = 2 * num_layers * page_size * params.n_kv_heads_per_device * params.head_dim
-        return int(num_pages * per_page * params.dtype.size_in_bytes * len(devices))
+        return num_pages * page_size * params.token_bytes(num_layers) * len(devices)
 
     # ------------------------------------------------------------ page state
 
@@ -580,17 +585,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def block_layout(self, model_id: str) -> BlockLayout:
         """What one page is outside the device, for the model ``model_id``."""
         p = self.params
-        try:
-            dtype = np.dtype(p.dtype.to_numpy()).name
-        except (ValueError, TypeError):
-            raise ValueError(f"KV tiers hold NumPy arrays; {p.dtype} has no NumPy dtype") from None
         return BlockLayout(
             model_id=model_id or "unnamed",
             kind="page",
             num_layers=self.num_layers,
             n_kv_heads=p.n_kv_heads,
             head_dim=p.head_dim,
-            dtype=dtype,
+            dtype=p.cache_dtype_name,
             page_size=self.page_size,
             devices=p.n_devices,
         )

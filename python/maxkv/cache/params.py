@@ -1,4 +1,15 @@
-"""Static parameters of a continuous-batching KV cache."""
+"""Static parameters of a KV cache: the model's compute dtype, the cache's
+encoding, the head layout, and the byte size of what it stores.
+
+The compute dtype (``dtype``) is what the model's Q, K and V are in when they
+reach the cache ops; the cache's encoding (``cache_dtype``) is how keys and
+values are stored.  They may differ: a float32 model can keep its KV in
+bfloat16 or float16 (half the bytes), as MAX's ``--kv-cache-format`` does.
+The store ops convert on write (rounding to nearest even), the attention
+kernels convert in their inner loop; no dequantized copy of the cache is
+ever made.  :meth:`KVCacheParams.token_bytes` is the one place the byte size
+of a cached token is computed.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +17,25 @@ from dataclasses import dataclass
 
 from max.dtype import DType
 
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, UnsupportedEncodingError
 
-#: Cache dtypes the Mojo ops are instantiated for.  The Mojo side is generic
-#: over any floating dtype; this list is what the test suite exercises.
+#: Compute dtypes and cache encodings the Mojo ops are instantiated for.  The
+#: Mojo side is generic over any floating dtype; this list is what the test
+#: suite exercises.
 SUPPORTED_DTYPES: tuple[DType, ...] = (DType.float32, DType.bfloat16, DType.float16)
+
+#: Every cache encoding a user may name (MAX's ``--kv-cache-format`` values and
+#: maxkv's own), whether maxkv implements it, and if not what it would take.
+#: The implemented ones are :data:`SUPPORTED_DTYPES`.
+CACHE_ENCODINGS: dict[str, str | None] = {
+    "float32": None,
+    "bfloat16": None,
+    "float16": None,
+    "float8_e4m3fn": "float8 KV (with a scale per token and head) is not implemented yet",
+    "int8": "int8 KV (with a scale per token and head) is not implemented yet",
+    "int4": "4-bit KV is not implemented yet",
+    "float4_e2m1fn": "NVFP4 KV is a GPU format MAX implements for its own cache only",
+}
 
 
 def _require_positive_int(name: str, value: object) -> int:
@@ -21,22 +46,56 @@ def _require_positive_int(name: str, value: object) -> int:
     return value
 
 
+def cache_encoding(name: object) -> DType:
+    """The storage dtype of the cache encoding ``name`` (``"bfloat16"``, a
+    ``DType``, or MAX's ``DType.bfloat16`` spelled as text).
+
+    Raises:
+        UnsupportedEncodingError: For an encoding maxkv knows but does not
+            implement (``"int8"``, ``"float8_e4m3fn"``, ...): it says which are.
+        ValueError: For a name that is no cache encoding at all.
+    """
+    if isinstance(name, DType):
+        key = name.name
+    elif isinstance(name, str):
+        key = name.strip().lower().removeprefix("dtype.")
+    else:
+        raise ArgumentTypeError(
+            f"a cache encoding is a str or a max.dtype.DType, got {type(name).__name__}"
+        )
+    implemented = ", ".join(d.name for d in SUPPORTED_DTYPES)
+    if key not in CACHE_ENCODINGS:
+        raise ValueError(f"{name!r} is not a KV cache encoding; maxkv implements {implemented}")
+    reason = CACHE_ENCODINGS[key]
+    if reason is not None:
+        raise UnsupportedEncodingError(
+            f"the KV cache encoding {key} is refused: {reason}; maxkv implements {implemented}"
+        )
+    return DType[key]
+
+
 @dataclass(frozen=True)
 class KVCacheParams:
-    """Shape and dtype of the cached keys and values.
+    """Compute dtype, cache encoding and head layout of the cached keys and values.
 
     Mirrors ``max.pipelines.kv_cache.KVCacheParams`` of MAX 24.x for the
-    continuous-batching strategy.
+    continuous-batching strategy, with the storage encoding apart from the
+    compute dtype (MAX 26's ``cache_dtype``).
 
     Args:
-        dtype: Element type of the cache; one of :data:`SUPPORTED_DTYPES`.
+        dtype: The model's compute dtype: what the ops take Q, K and V in and
+            return attention in; one of :data:`SUPPORTED_DTYPES`.
         n_kv_heads: Total number of key/value heads of the model.
         head_dim: Size of one head.
         n_devices: Number of devices the heads are split across.  Each
             device holds ``n_kv_heads // n_devices`` heads.
+        cache_dtype: How keys and values are stored; ``None`` (default) is
+            ``dtype``.  A ``DType`` or an encoding name (:data:`CACHE_ENCODINGS`);
+            after construction it is always a ``DType``.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type (a ``TypeError``).
+        UnsupportedEncodingError: For a cache encoding maxkv does not implement.
         ValueError: If a size is not positive, the dtype is unsupported, or
             ``n_kv_heads`` is not divisible by ``n_devices``.
     """
@@ -45,6 +104,7 @@ class KVCacheParams:
     n_kv_heads: int
     head_dim: int
     n_devices: int = 1
+    cache_dtype: DType = None  # None: ``dtype``; a DType after __post_init__
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -52,6 +112,8 @@ class KVCacheParams:
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(d.name for d in SUPPORTED_DTYPES)
             raise ValueError(f"dtype {self.dtype.name} is not supported; expected one of {names}")
+        storage = self.dtype if self.cache_dtype is None else cache_encoding(self.cache_dtype)
+        object.__setattr__(self, "cache_dtype", storage)
         _require_positive_int("n_kv_heads", self.n_kv_heads)
         _require_positive_int("head_dim", self.head_dim)
         _require_positive_int("n_devices", self.n_devices)
@@ -67,8 +129,22 @@ class KVCacheParams:
 
     @property
     def dtype_name(self) -> str:
-        """The dtype as the Mojo ops spell it (``"float32"``, ``"bfloat16"``)."""
+        """The compute dtype as the Mojo ops spell it (``"float32"``, ``"bfloat16"``)."""
         return _MOJO_DTYPE_NAMES[self.dtype]
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """The cache encoding as the Mojo ops spell it: the collection's ``dtype_name``."""
+        return _MOJO_DTYPE_NAMES[self.cache_dtype]
+
+    def token_bytes(self, num_layers: int) -> int:
+        """Bytes one cached token takes on one device: keys and values of
+        ``num_layers`` layers, ``n_kv_heads_per_device`` heads, in the cache
+        encoding.  Every byte count of a cache (slots, pages, budgets, tier
+        blocks) is a multiple of it."""
+        layers = _require_positive_int("num_layers", num_layers)
+        element = int(self.cache_dtype.size_in_bytes)
+        return 2 * layers * self.n_kv_heads_per_device * self.head_dim * element
 
 
 _MOJO_DTYPE_NAMES: dict[DType, str] = {

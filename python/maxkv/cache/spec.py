@@ -165,7 +165,7 @@ class CacheSpec:
             ref = device if isinstance(device, DeviceRef) else DeviceRef.from_device(device)
             symbols.append(
                 KVCacheInputSymbols(
-                    TensorType(self.params.dtype, self.blocks_shape(), ref),
+                    TensorType(self.params.cache_dtype, self.blocks_shape(), ref),
                     TensorType(DType.uint32, [BATCH_DIM], ref),
                     TensorType(DType.uint32, table, ref),
                     TensorType(DType.uint32, [STEPS_DIM, 2], DeviceRef.CPU()),

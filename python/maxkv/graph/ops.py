@@ -42,7 +42,7 @@ def _check_collection(params: KVCacheParams, kv_collection: object) -> KVCacheCo
     kv_type = kv_collection.type
     found = dict(kv_type.parameters)
     expected = {
-        "dtype_name": params.dtype_name,
+        "dtype_name": params.cache_dtype_name,
         "num_heads": params.n_kv_heads_per_device,
         "head_dim": params.head_dim,
     }
@@ -54,6 +54,20 @@ def _check_collection(params: KVCacheParams, kv_collection: object) -> KVCacheCo
             f"but params describe {kv_collection.type_name}{expected}"
         )
     return kv_collection
+
+
+def _check_same_encoding(params: KVCacheParams, op: str, instead: str) -> None:
+    """Refuses an op of MAX's kernels on a cache whose encoding is not the model's dtype."""
+    if params.cache_dtype != params.dtype:
+        raise ValueError(
+            f"{op} runs MAX's kernel, which needs the cache in the model's dtype "
+            f"({params.dtype.name}); this cache keeps {params.cache_dtype.name}: {instead}"
+        )
+
+
+#: ``head_dim`` must be a multiple of this when the cache's encoding is not the
+#: model's dtype: maxkv's CPU attention reads rows in SIMD vectors of up to 16 floats.
+ENCODED_HEAD_DIM_MULTIPLE = 16
 
 
 def cache_lengths(
@@ -227,6 +241,9 @@ def fused_qkv_ragged_matmul(
         ValueError: On a wrong dtype, rank, static dim or head count.
     """
     _check_collection(params, kv_collection)
+    _check_same_encoding(
+        params, "fused_qkv_ragged_matmul", "project with a matmul and store with store_kv_ragged"
+    )
     device = kv_collection.device
     check_tensor("input", input, params.dtype, 2)
     check_tensor("wqkv", wqkv, params.dtype, 2)
@@ -286,6 +303,9 @@ def fused_qk_ragged_rope(
     Returns:
         The rotated Q, same shape and dtype as ``input``.
     """
+    _check_same_encoding(
+        params, "fused_qk_ragged_rope", "rotate while storing, store_kv_ragged(freqs_cis=...)"
+    )
     device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
     _check_rope_table(params, freqs_cis, _ROPE_DTYPES, device, interleaved)
     return ops.inplace_custom(
@@ -336,6 +356,19 @@ def flash_attention_ragged(
             ``"null"`` mask), or a wrong input.
     """
     device, offsets = _check_query(params, input, input_row_offsets, kv_collection)
+    if params.cache_dtype != params.dtype:
+        if not device.is_cpu():
+            raise ValueError(
+                f"attention over a {params.cache_dtype.name} cache from {params.dtype.name} "
+                "queries runs on CPU (maxkv's kernel); on a GPU keep the cache in the "
+                "model's dtype"
+            )
+        if params.head_dim % ENCODED_HEAD_DIM_MULTIPLE:
+            raise ValueError(
+                f"attention over a {params.cache_dtype.name} cache from {params.dtype.name} "
+                f"queries needs head_dim a multiple of {ENCODED_HEAD_DIM_MULTIPLE}, got "
+                f"{params.head_dim}"
+            )
     if mask_variant not in _MASKS:
         raise ValueError(f"mask_variant must be one of {_MASKS}, got {mask_variant!r}")
     if scale is None:

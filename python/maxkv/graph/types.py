@@ -47,7 +47,7 @@ def opaque_parameters(
     """Mojo parameters of the collection struct for ``params`` (one device);
     with ``page_size``, of the paged collection."""
     parameters: dict[str, bool | int | str] = {
-        "dtype_name": params.dtype_name,
+        "dtype_name": params.cache_dtype_name,
         "num_heads": params.n_kv_heads_per_device,
         "head_dim": params.head_dim,
     }
@@ -56,16 +56,16 @@ def opaque_parameters(
     return parameters
 
 
-def kernel_parameters(
+def ctor_parameters(
     params: KVCacheParams, page_size: int | None = None
 ) -> dict[str, bool | int | str | DType]:
-    """Op parameters every maxkv kernel that takes a collection needs: the
-    collection struct's parameters and ``dtype``.
+    """Op parameters of a collection's ctor: the collection struct's parameters
+    and ``dtype``, the cache encoding's storage dtype (its blocks' dtype).
 
     A Mojo kernel parameter that no tensor argument carries cannot be inferred
     by the graph compiler, so the collection's parameters are passed again.
     """
-    return {**opaque_parameters(params, page_size), "dtype": params.dtype}
+    return {**opaque_parameters(params, page_size), "dtype": params.cache_dtype}
 
 
 class ContinuousBatchingKVCacheCollectionType(_OpaqueType):
@@ -155,8 +155,10 @@ class KVCacheCollection(_OpaqueValue):
         return dict(self.type.parameters)
 
     def kernel_parameters(self) -> dict[str, bool | int | str | DType]:
-        """:meth:`op_parameters` and the cache's ``dtype``: what a kernel taking this
-        collection is given (read from the collection, not from the caller)."""
+        """:meth:`op_parameters` and the model's compute ``dtype`` (of Q, K, V and
+        the attention output): what a kernel taking this collection is given
+        (read from the collection, not from the caller).  The cache encoding
+        is the collection's own ``dtype_name``."""
         return {**self.op_parameters(), "dtype": self.params.dtype}
 
 
@@ -190,7 +192,7 @@ def _check_cache_inputs(
     static dims of the storage's K/V, head and dim axes, devices)."""
     storage_name, blocks = storage
     table_name, table_value, table_rank = table
-    check_tensor(storage_name, blocks, params.dtype, 6)
+    check_tensor(storage_name, blocks, params.cache_dtype, 6)
     check_tensor("cache_lengths", cache_lengths, DType.uint32, 1)
     check_tensor(table_name, table_value, DType.uint32, table_rank)
     check_tensor("max_lengths", max_lengths, DType.uint32, 2)
@@ -226,7 +228,7 @@ class FetchContinuousBatchingKVCacheCollection:
 
         Args:
             blocks: ``[max_cache_batch_size, 2, num_layers, max_seq_len,
-                n_kv_heads_per_device, head_dim]`` of ``params.dtype``.
+                n_kv_heads_per_device, head_dim]`` of ``params.cache_dtype``.
             cache_lengths: uint32 ``[batch]``, tokens already cached per sequence.
             lookup_table: uint32 ``[batch]``, cache slot of each sequence.
             max_lengths: uint32 ``[num_steps, 2]`` on the host; row 0 holds
@@ -252,7 +254,7 @@ class FetchContinuousBatchingKVCacheCollection:
             device=blocks.device,
             values=[blocks, cache_lengths, lookup_table, max_lengths],
             out_types=[ContinuousBatchingKVCacheCollectionType(params)],
-            parameters=kernel_parameters(params),
+            parameters=ctor_parameters(params),
         )[0]
         return ContinuousBatchingKVCacheCollection(out, device=blocks.device, params=params)
 
@@ -282,7 +284,7 @@ class FetchPagedKVCacheCollection:
 
         Args:
             pages: ``[num_pages, 2, num_layers, page_size, n_kv_heads_per_device,
-                head_dim]`` of ``params.dtype``.
+                head_dim]`` of ``params.cache_dtype``.
             cache_lengths: uint32 ``[batch]``, tokens already cached per sequence.
             page_table: uint32 ``[batch, max_pages_per_seq]``; entry ``[b, i]``
                 is the page holding sequence *b*'s tokens ``i * page_size ..``.
@@ -304,6 +306,6 @@ class FetchPagedKVCacheCollection:
             device=pages.device,
             values=[pages, cache_lengths, page_table, max_lengths],
             out_types=[PagedKVCacheCollectionType(params, self.page_size)],
-            parameters=kernel_parameters(params, self.page_size),
+            parameters=ctor_parameters(params, self.page_size),
         )[0]
         return PagedKVCacheCollection(out, device=pages.device, params=params)

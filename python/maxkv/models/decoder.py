@@ -38,13 +38,21 @@ from .blocks import Blocks
 from .config import DecoderConfig, check_weights
 
 
-def cache_params(config: DecoderConfig, dtype: DType = DType.float32) -> KVCacheParams:
+def cache_params(
+    config: DecoderConfig, dtype: DType = DType.float32, cache_dtype: DType | str | None = None
+) -> KVCacheParams:
     """The :class:`KVCacheParams` a manager for this model needs (``dtype``: the
-    model's, one of :data:`MODEL_DTYPES`)."""
-    return KVCacheParams(dtype, config.num_key_value_heads, config.head_dim)
+    model's, one of :data:`MODEL_DTYPES`; ``cache_dtype``: the cache's encoding,
+    default ``dtype``)."""
+    return KVCacheParams(
+        dtype,
+        config.num_key_value_heads,
+        config.head_dim,
+        cache_dtype=cache_dtype,  # validated (and a str resolved) by KVCacheParams
+    )
 
 
-#: The dtypes the model computes in (its cache's dtype).
+#: The dtypes the model computes in.
 MODEL_DTYPES: tuple[DType, ...] = (DType.float32, DType.bfloat16)
 
 
@@ -484,7 +492,7 @@ class DecoderModel:
             raise ArgumentTypeError(
                 f"cache must be a CacheSpec or a manager, got {type(cache).__name__}"
             )
-        params = cache_params(config, spec.params.dtype)
+        params = cache_params(config, spec.params.dtype, spec.params.cache_dtype)
         if spec.params != params or spec.num_layers != config.num_hidden_layers:
             raise ValueError(
                 f"the cache holds {spec.params} x {spec.num_layers} layers; the model "

@@ -62,7 +62,9 @@ class BlockLayout:
         num_layers: Transformer layers in a block.
         n_kv_heads: KV heads (all devices together; chunks: 0 takes any).
         head_dim: Size of one head (chunks: 0 takes any).
-        dtype: NumPy dtype name of the payload (``"float32"``, ...).
+        dtype: The cache encoding of the payload (``"float32"``,
+            ``"float16"``, ``"bfloat16"``): blocks of another encoding are
+            refused.  NumPy holds bfloat16 as its bit patterns (uint16).
         page_size: Tokens per block (pages); ``0`` for chunks.
         devices: Tensor-parallel shards a block holds (pages: one per device).
     """
@@ -81,7 +83,12 @@ class BlockLayout:
             raise ValueError(f"kind must be 'page' or 'chunk', got {self.kind!r}")
         if self.kind == "page" and self.page_size < 1:
             raise ValueError("a page layout needs page_size >= 1")
-        np.dtype(self.dtype)  # raises on an unknown dtype name
+        _ = self.payload_dtype  # raises on an unknown encoding
+
+    @property
+    def payload_dtype(self) -> np.dtype[Any]:
+        """The NumPy dtype of the payload's elements (bfloat16: its uint16 bit patterns)."""
+        return np.dtype(_BIT_PATTERNS.get(self.dtype, self.dtype))
 
     @property
     def fingerprint(self) -> str:
@@ -113,6 +120,10 @@ class BlockLayout:
             raise BlockInvalid("layout", f"shape {shape} is not a {self.kind} block {expected}")
 
 
+#: Cache encodings NumPy has no dtype for, held as their bit patterns.
+_BIT_PATTERNS = {"bfloat16": "uint16"}
+
+
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 
 
@@ -133,7 +144,7 @@ def encode_block(
     """One block's bytes: header (layout, key, shape, length, CRC-32, ``extra``), payload,
     and, with a ``keyring``, the MAC of both under ``tenant``'s key (the payload
     encrypted first if the keyring encrypts)."""
-    payload = np.ascontiguousarray(array, dtype=np.dtype(layout.dtype)).tobytes()
+    payload = np.ascontiguousarray(array, dtype=layout.payload_dtype).tobytes()
     header: dict[str, Any] = {
         "layout": asdict(layout),
         "key": key.hex(),
@@ -262,7 +273,7 @@ def decode_block(
             raise BlockInvalid("signature", str(error)) from None
         except ImportError as error:  # a replica without the cryptography package
             raise BlockInvalid("unknown_key", f"encrypted, and {error}") from None
-    dtype = np.dtype(layout.dtype)
+    dtype = layout.payload_dtype
     if len(payload) != math.prod(shape) * dtype.itemsize:
         raise BlockInvalid("truncated", f"payload of {len(payload)} bytes for shape {shape}")
     return np.frombuffer(payload, dtype=dtype).reshape(shape), extra

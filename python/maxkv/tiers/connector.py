@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from max.driver import Buffer
+from max.dtype import DType
 from max.nn.kv_cache import KVCacheGroupId
 from max.nn.kv_cache.metrics import KVCacheMetrics
 from max.pipelines.kv_cache.kv_connector import (
@@ -48,6 +49,15 @@ __all__ = ["LEAF", "KVLoadFailed", "KVLoadRefused", "PageBuffers", "TieredConnec
 LEAF = "maxkv"
 
 
+def host_view(buffer: Buffer) -> np.ndarray:
+    """A NumPy view (no copy) of a host buffer; bfloat16, which NumPy lacks, as
+    its uint16 bit patterns (what :class:`~maxkv.tiers.blocks.BlockLayout` stores)."""
+    if buffer.dtype == DType.bfloat16:
+        buffer = buffer.view(DType.uint16)
+    array: np.ndarray = buffer.to_numpy()
+    return array
+
+
 class PageBuffers:
     """Host views of a paged cache's buffers ``[num_pages, 2, layers, page_size, heads, head_dim]``,
     one per device: a page read or written as one ``[devices, 2, ...]`` array.
@@ -59,7 +69,7 @@ class PageBuffers:
     def __init__(self, buffers: Sequence[Buffer]) -> None:
         if not all(b.is_host for b in buffers):
             raise ValueError("KV tiers need the pages in host memory (a CPU cache)")
-        self._views = [b.to_numpy() for b in buffers]
+        self._views = [host_view(b) for b in buffers]
 
     @property
     def page_nbytes(self) -> int:

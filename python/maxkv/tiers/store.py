@@ -307,7 +307,7 @@ class TieredBlockStore:
         self.host = HostTier(config.host_bytes)
         #: The largest block this store writes (a page, or a chunk within the write
         #: queue) and framing: larger stored blocks are refused unread.
-        largest = math.prod(layout.page_shape()) * np.dtype(layout.dtype).itemsize
+        largest = math.prod(layout.page_shape()) * layout.payload_dtype.itemsize
         if layout.kind != "page":
             largest = config.write_queue_bytes
         self.max_block_bytes = largest + _FRAMING_BYTES

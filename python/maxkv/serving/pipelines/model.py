@@ -194,7 +194,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         path = checkpoint_path(self.pipeline_config)
         config, weights = load_model(path)
         self.config = config
-        params = cache_params(config)
+        params = kv_cache_params(config, self.kv_cache_config)
         session = self._session(args, kwargs)
         #: ``(window, sinks)`` every request's cache keeps (attention sinks), or ``None``.
         self.streaming = streaming_window()
@@ -545,7 +545,8 @@ def describe(manager: KVCacheManagerBase) -> str:
         )
         return (
             f"hybrid paged cache, pages of {manager.page_size} tokens: {groups} "
-            f"({manager.nbytes() / 2**20:.1f} MiB), {prefix}"
+            f"({manager.nbytes() / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV), "
+            f"{prefix}"
         )
     if isinstance(manager, PagedKVCacheManager):
         size = manager.estimated_memory_size(
@@ -571,7 +572,8 @@ def describe(manager: KVCacheManagerBase) -> str:
         given_back = "" if window is None else f", pages before its {window}-token window freed"
         return (
             f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
-            f"({size / 2**20:.1f} MiB){given_back}, {prefix}{where}"
+            f"({size / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV){given_back}, "
+            f"{prefix}{where}"
         )
     assert isinstance(manager, ContinuousBatchingKVCacheManager)
     size = manager.estimated_memory_size(
@@ -583,8 +585,23 @@ def describe(manager: KVCacheManagerBase) -> str:
     )
     return (
         f"contiguous cache: {manager.max_cache_batch_size} slots x {manager.max_seq_len} tokens "
-        f"({size / 2**20:.1f} MiB), {prefix}"
+        f"({size / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV), {prefix}"
     )
+
+
+def kv_cache_params(config: Any, kv_cache_config: Any) -> KVCacheParams:
+    """The cache's parameters for ``config`` (a float32 model), in the encoding
+    MAX's ``--kv-cache-format`` names (unset: float32).
+
+    Raises:
+        ValueError: For an encoding maxkv does not implement (the message names
+            the flag and the encodings maxkv has); never served from another.
+    """
+    encoding = getattr(kv_cache_config, "kv_cache_format", None)
+    try:
+        return cache_params(config, DType.float32, encoding)
+    except ValueError as error:
+        raise ValueError(f"--kv-cache-format {encoding}: {error}") from None
 
 
 def check_cache_fits(needed: int, available: int | None, slots: int, max_seq_len: int) -> None:
