@@ -129,3 +129,30 @@ class ReferenceLayerCache:
             np.concatenate(full_out),
             np.concatenate(window_out),
         )
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row of the last axis, from the definition: ``scale =
+    float16(max|x| / 127)`` (in float32, then rounded to float16), ``q =
+    round(x / scale)`` to nearest with ties to even, clamped to [-127, 127];
+    an all-zero row has scale 0 and q 0.  Returns ``(q int8, scale float16)``."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = (np.abs(x).max(axis=-1) / np.float32(127)).astype(np.float16)
+    wide = scale.astype(np.float32)[..., None]
+    safe = np.where(wide > 0, wide, np.float32(1))
+    q = np.where(wide > 0, np.rint(x / safe), np.float32(0))
+    return np.clip(q, -127, 127).astype(np.int8), scale
+
+
+def int8_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The stored int8 head rows: the values, then the scale's two bytes (little-endian)."""
+    scale_bytes = np.ascontiguousarray(scale.astype("<f2")).view(np.int8).reshape(*scale.shape, 2)
+    return np.concatenate([q, scale_bytes], axis=-1)
+
+
+def dequantize_int8_rows(rows: np.ndarray) -> np.ndarray:
+    """float64 values of stored int8 head rows ``[..., head_dim + 2]``."""
+    rows = np.ascontiguousarray(rows, dtype=np.int8)
+    scale = rows[..., -2:].copy().view("<f2")[..., 0].astype(np.float64)
+    values: np.ndarray = rows[..., :-2].astype(np.float64) * scale[..., None]
+    return values

@@ -28,7 +28,12 @@ from maxkv import ops as kvops
 from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.graph import KVCacheCollection
 
-from .reference import ReferenceLayerCache
+from .reference import (
+    ReferenceLayerCache,
+    dequantize_int8_rows,
+    int8_rows,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -89,6 +94,17 @@ GQA_F32_CACHE_BF16 = AttentionConfig(
     interleaved=False,
     store_rope=True,
     cache_dtype=DType.bfloat16,
+    window=128,
+    max_seq_len=320,
+)
+GQA_F32_CACHE_INT8 = AttentionConfig(
+    DType.float32,
+    4,
+    2,
+    16,
+    interleaved=False,
+    store_rope=True,
+    cache_dtype=DType.int8,
     window=128,
     max_seq_len=320,
 )
@@ -205,7 +221,16 @@ def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
         return bits.astype(np.uint32).view(np.float32).astype(np.float64)
     if dtype == DType.float16:
         return single.astype(np.float16).astype(np.float64)
+    if dtype == DType.int8:
+        return dequantize_int8_rows(int8_rows(*quantize_int8(single)))
     return single.astype(np.float64)
+
+
+def decoded(blocks: Buffer, params: KVCacheParams) -> np.ndarray:
+    """A cache buffer's values as float64 (int8 head rows decoded with their scales)."""
+    if params.cache_dtype == DType.int8:
+        return dequantize_int8_rows(blocks.to_numpy())
+    return as_numpy(blocks).astype(np.float64)
 
 
 def to_buffer(array: np.ndarray, dtype: DType) -> Buffer:
@@ -431,11 +456,15 @@ def test_bf16_gqa_prefill_then_decode(
 # same way); Q, the weights and the arithmetic stay float32, so what is left is
 # float32 error and, rarely, a K that float32 and float64 round to neighbouring
 # bf16/f16 values (one unit in the last place: 2**-8 / 2**-11 relative).
-CACHE_ATOL = {DType.bfloat16: 2e-2, DType.float16: 3e-3}
+# int8: a value float32 and float64 put on either side of a rounding boundary is
+# one quantization step apart (max|row| / 127).
+CACHE_ATOL = {DType.bfloat16: 2e-2, DType.float16: 3e-3, DType.int8: 3e-2}
 
 
 @pytest.mark.parametrize(
-    "config", [GQA_F32_CACHE_BF16, MHA_F32_STORE_ROPE_CACHE_F16], ids=["bf16-gqa", "f16-mha"]
+    "config",
+    [GQA_F32_CACHE_BF16, MHA_F32_STORE_ROPE_CACHE_F16, GQA_F32_CACHE_INT8],
+    ids=["bf16-gqa", "f16-mha", "int8-gqa"],
 )
 def test_float32_model_over_a_narrower_cache(
     layer_model: Callable[[AttentionConfig], Model],
@@ -462,12 +491,16 @@ def test_float32_model_over_a_narrower_cache(
                 worst = max(worst, float(np.abs(got - want).max()))
             check(actual, expected, atol)
         manager.step(dict(zip(seqs, new_tokens, strict=True)))
-    # The cache holds exactly the encoding's values of the reference's K and V.
-    blocks = harness.blocks()
+    # The cache holds the encoding's values of the reference's K and V (one rounding
+    # step apart where float32 and float64 round differently).
+    blocks = decoded(manager.fetch(seqs)[0][0], config.params)
+    step = 2**-7 if config.cache_dtype != DType.int8 else 0.0
     for (seq, layer), keys in harness.reference.k.items():
         n = keys.shape[0]
         for kv, expected in ((0, keys), (1, harness.reference.v[(seq, layer)])):
-            np.testing.assert_allclose(blocks[seq, kv, layer, :n], expected, rtol=2**-7, atol=1e-6)
+            scale = np.abs(expected).max(axis=-1, keepdims=True)
+            atol = 1e-6 if step else scale * 1.01 / 127
+            np.testing.assert_allclose(blocks[seq, kv, layer, :n], expected, rtol=step, atol=atol)
     print(f"{config.cache_dtype.name} cache: worst abs error vs float64 reference {worst:.3g}")
 
 

@@ -39,22 +39,33 @@ def test_the_encoding_defaults_to_the_model_dtype() -> None:
 
 
 @pytest.mark.parametrize(
-    ("encoding", "bytes_per_value"),
-    [(DType.float32, 4), (DType.bfloat16, 2), (DType.float16, 2)],
+    ("encoding", "row_bytes"),
+    [(DType.float32, 4 * 64), (DType.bfloat16, 2 * 64), (DType.float16, 2 * 64), (DType.int8, 66)],
 )
-def test_token_bytes_count_the_encoding(encoding: DType, bytes_per_value: int) -> None:
-    """SmolLM2's shapes: 3 KV heads of 64, 30 layers, keys and values."""
+def test_token_bytes_count_the_encoding(encoding: DType, row_bytes: int) -> None:
+    """SmolLM2's shapes: 3 KV heads of 64, 30 layers, keys and values; an int8 head
+    row is 64 values and a float16 scale."""
     params = KVCacheParams(DType.float32, 3, 64, cache_dtype=encoding)
-    assert params.token_bytes(30) == 2 * 30 * 3 * 64 * bytes_per_value
+    assert params.token_bytes(30) == 2 * 30 * 3 * row_bytes
     two = KVCacheParams(DType.float32, 4, 64, n_devices=2, cache_dtype=encoding)
-    assert two.token_bytes(1) == 2 * 2 * 64 * bytes_per_value  # one device's heads
+    assert two.token_bytes(1) == 2 * 2 * row_bytes  # one device's heads
+
+
+def test_int8_holds_over_3_8_times_the_tokens_of_float32() -> None:
+    """The issue's bar: >= 3.8x the tokens of float32 KV in the same bytes, scales
+    included (head_dim 64: 256 / 66 = 3.88x; 128: 512 / 130 = 3.94x)."""
+    for head_dim in (64, 128):
+        wide = KVCacheParams(DType.float32, 8, head_dim)
+        int8 = KVCacheParams(DType.float32, 8, head_dim, cache_dtype="int8")  # type: ignore[arg-type]
+        assert int8.head_width == head_dim + 2
+        assert wide.token_bytes(16) / int8.token_bytes(16) >= 3.8
 
 
 @pytest.mark.parametrize("name", [k for k, v in CACHE_ENCODINGS.items() if v is not None])
 def test_encodings_not_implemented_are_refused_by_name(name: str) -> None:
     with pytest.raises(UnsupportedEncodingError, match=f"{name} is refused") as caught:
         KVCacheParams(DType.float32, 4, 64, cache_dtype=name)  # type: ignore[arg-type]
-    assert "maxkv implements float32, bfloat16, float16" in str(caught.value)
+    assert "maxkv implements float32, bfloat16, float16, int8" in str(caught.value)
     assert isinstance(caught.value, ValueError)
 
 
@@ -146,10 +157,11 @@ def test_bfloat16_pages_go_through_the_tiers_bit_for_bit(tmp_path: Path) -> None
     m.close()
 
 
-def test_attention_sinks_refuse_a_bfloat16_cache() -> None:
+@pytest.mark.parametrize("encoding", [DType.bfloat16, DType.int8])
+def test_attention_sinks_refuse_caches_numpy_cannot_rotate(encoding: DType) -> None:
     from maxkv.cache.rotation import KeyRotation
 
-    params = KVCacheParams(DType.float32, 2, 4, cache_dtype=DType.bfloat16)
+    params = KVCacheParams(DType.float32, 2, 4, cache_dtype=encoding)
     rotation = KeyRotation.of_layers([np.ones(2)] * 2)
-    with pytest.raises(ValueError, match="no bfloat16"):
+    with pytest.raises(ValueError, match=f"float16 or float32, not {encoding.name}"):
         fakes.paged(params, 4, 6, 4, 64, num_layers=2, key_rotation=rotation)

@@ -18,6 +18,7 @@ from layout import Coord
 
 from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
+from .encoding import HeadCodec
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
 
@@ -61,10 +62,11 @@ def _rotate_heads[
     The arithmetic of MAX's `nn.fused_qk_rope.rope_value` (a `ComplexSIMD`
     product in float32) on the pairs `(x[2i], x[2i + 1])` (`interleaved`) or
     `(x[i], x[i + head_dim / 2])`, so the results are the same bits; they are
-    stored in `dst_dtype` (the cache encoding, for keys).
+    encoded as `dst_dtype` head rows (`HeadCodec`: the cache's encoding, for keys).
     """
     comptime half = head_dim // 2
     comptime Half = SIMD[DType.float32, half]
+    comptime Codec = HeadCodec[dst_dtype, head_dim]
     var f = freq.deinterleave()
     var f_re = rebind[Half](f[0])
     var f_im = rebind[Half](f[1])
@@ -80,15 +82,28 @@ def _rotate_heads[
             re = x.slice[half, offset=0]()
             im = x.slice[half, offset=half]()
         var r = ComplexSIMD(re, im) * ComplexSIMD(f_re, f_im)
+        var out: SIMD[DType.float32, head_dim]
         comptime if interleaved:
-            dst.unsafe_store(
-                h * head_dim,
-                rebind[SIMD[dst_dtype, head_dim]](r.re.interleave(r.im).cast[dst_dtype]()),
-            )
+            out = rebind[SIMD[DType.float32, head_dim]](r.re.interleave(r.im))
         else:
-            dst.unsafe_store(
-                h * head_dim, rebind[SIMD[dst_dtype, head_dim]](r.re.join(r.im).cast[dst_dtype]())
-            )
+            out = rebind[SIMD[DType.float32, head_dim]](r.re.join(r.im))
+        Codec.store(dst.unsafe_offset(h * Codec.width), out)
+
+
+@always_inline
+def _store_heads[
+    dst_dtype: DType, src_dtype: DType, head_dim: Int
+](
+    dst: UnsafePointer[Scalar[dst_dtype], MutUntrackedOrigin],
+    src: UnsafePointer[Scalar[src_dtype], MutUntrackedOrigin],
+    heads: Int,
+):
+    """`heads` heads of `head_dim` values, `src` to `dst`, encoded as `dst_dtype`
+    head rows (`HeadCodec`; a float encoding converts each value)."""
+    comptime Codec = HeadCodec[dst_dtype, head_dim]
+    for h in range(heads):
+        var x = src.unsafe_load[width=head_dim](h * head_dim).cast[DType.float32]()
+        Codec.store(dst.unsafe_offset(h * Codec.width), x)
 
 
 def _store_rows[
@@ -136,11 +151,13 @@ def _store_rows[
                 )
             else:
                 _copy_row(q_out.unsafe_offset(t * q_width), row, q_width)
-                _copy_row(k_dst, row.unsafe_offset(q_width), kv_width)
-            _copy_row(
+                _store_heads[cache_dtype, dtype, head_dim](
+                    k_dst, row.unsafe_offset(q_width), num_heads
+                )
+            _store_heads[cache_dtype, dtype, head_dim](
                 kv.row_ptr(1, layer, b, position).unsafe_bitcast[Scalar[cache_dtype]](),
                 row.unsafe_offset(q_width + kv_width),
-                kv_width,
+                num_heads,
             )
 
     sync_parallelize(work, workers)
@@ -289,8 +306,13 @@ def write_kv[
         var start = Int(input_row_offsets[b])
         var cached = kv.cache_length(b)
         for t in range(Int(input_row_offsets[b + 1]) - start):
-            _copy_row(kv.row_ptr(0, layer, b, cached + t), k_src.unsafe_offset((start + t) * kv_width), kv_width)
-            _copy_row(kv.row_ptr(1, layer, b, cached + t), v_src.unsafe_offset((start + t) * kv_width), kv_width)
+            var at = (start + t) * kv_width
+            _store_heads[C.View.dtype, dtype, head_dim](
+                kv.row_ptr(0, layer, b, cached + t), k_src.unsafe_offset(at), num_heads
+            )
+            _store_heads[C.View.dtype, dtype, head_dim](
+                kv.row_ptr(1, layer, b, cached + t), v_src.unsafe_offset(at), num_heads
+            )
     output[0] = UInt32(tokens)
 
 
@@ -350,7 +372,7 @@ def copy_tokens[
     # whole row on CPU (`elementwise` spreads the rows over the cores).  Rows
     # are [num_heads * head_dim] contiguous elements, so a vector never
     # straddles two rows (or two pages).
-    comptime row = num_heads * head_dim
+    comptime row = num_heads * HeadCodec[C.View.dtype, head_dim].width
     comptime element = size_of[C.View.dtype]()
     comptime vector = 16 // element  # 16 bytes: one vector access per thread
     comptime width = vector if row % vector == 0 else 1

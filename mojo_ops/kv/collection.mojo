@@ -3,7 +3,7 @@
 Protocol (mirrors MAX 24.x `ContinuousBatchingKVCacheManager`):
 
 1. The Python manager's `fetch()` hands the graph four tensors per device:
-   `blocks` `[max_batch, 2, num_layers, max_seq_len, num_heads, head_dim]`,
+   `blocks` `[max_batch, 2, num_layers, max_seq_len, num_heads, head_width]`,
    `cache_lengths` uint32 `[batch]`, `lookup_table` uint32 `[batch]` (the cache
    slot of each sequence, in batch order) and the host tensor `max_lengths`
    uint32 `[num_steps, 2]` (row 0: max new tokens, max cache length).
@@ -26,6 +26,7 @@ from kv_cache.types import (
 from layout import Layout, LayoutTensor, RuntimeLayout, UNKNOWN_VALUE, lt_to_tt
 from std.utils import IndexList
 
+from .encoding import HeadCodec
 from .kv_trait import MaxkvKVCollection
 
 
@@ -39,7 +40,8 @@ struct ContinuousBatchingKVCacheCollection[
             ("float32", "bfloat16", ...): MAX passes opaque-type parameters
             from Python as strings, not as `DType`.
         num_heads: Key/value heads held on this device.
-        head_dim: Size of one head.
+        head_dim: Size of one head (values; a stored row is `head_width`
+            elements of the encoding, `encoding.mojo`).
 
     The struct owns nothing: it holds untracked pointers into the manager's
     buffers (which outlive the graph execution) plus their runtime shape.
@@ -53,6 +55,8 @@ struct ContinuousBatchingKVCacheCollection[
         Self.dtype, Self.kv_params, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin
     ]
     comptime View = Self.MaxCollection
+    comptime head_width = HeadCodec[Self.dtype, Self.head_dim].width
+    """Storage elements per head row (`head_dim`, plus an int8 row's scale)."""
 
     var blocks: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]
     var cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin]
@@ -123,7 +127,7 @@ struct ContinuousBatchingKVCacheCollection[
         """
         var slot = Int(self.lookup_table[unsafe_offset=batch_idx])
         var row = ((slot * 2 + kv_idx) * self.num_layers() + layer) * self.capacity() + token
-        return self.blocks.unsafe_offset(row * Self.num_heads * Self.head_dim)
+        return self.blocks.unsafe_offset(row * Self.num_heads * Self.head_width)
 
     def view(self) -> Self.MaxCollection:
         """Rebuilds MAX's `ContinuousBatchingKVCacheCollection` over the same memory."""
@@ -201,8 +205,8 @@ struct KVCollectionCtor:
     ) raises -> ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim]:
         comptime Collection = ContinuousBatchingKVCacheCollection[dtype_name, num_heads, head_dim]
         comptime assert Collection.dtype == dtype, "blocks dtype differs from dtype_name"
-        if blocks.dim_size(4) != num_heads or blocks.dim_size(5) != head_dim:
-            raise Error("maxkv: blocks' last two dims must be [num_heads, head_dim]")
+        if blocks.dim_size(4) != num_heads or blocks.dim_size(5) != Collection.head_width:
+            raise Error("maxkv: blocks' last two dims must be [num_heads, head_width]")
         if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
             raise Error("maxkv: cache_lengths and lookup_table differ in length")
         if max_lengths.dim_size(0) < 1 or max_lengths.dim_size(1) != 2:

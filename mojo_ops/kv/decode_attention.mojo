@@ -44,6 +44,7 @@ from std.math import exp
 from std.memory import alloc
 from std.sys import simd_width_of
 
+from .encoding import HeadCodec
 from .kv_trait import MaxkvKVCollection
 
 comptime W = simd_width_of[DType.float32]()
@@ -116,6 +117,7 @@ def cpu_attention[
     `q` and `output` are `[total_tokens, q_heads, head_dim]`;
     `cpu_attention_applies` was true.
     """
+    comptime Codec = HeadCodec[C.View.dtype, head_dim]
     var batch = kv.batch()
     var q_heads = q.dim_size(1)
     var group = q_heads // kv_heads
@@ -214,16 +216,19 @@ def cpu_attention[
                     var seen_end = visible_end(b, t0 + tq)
                     var seen = _visible_start(seen_end, window) <= t + j and t + j < seen_end
                     for h in range(kv_heads):
-                        var k = k_row.unsafe_offset(h * head_dim)
+                        var k = k_row.unsafe_offset(h * Codec.width)
+                        var k_scale = Codec.scale(k)
                         for g in range(group):
                             var r = tq * q_heads + h * group + g
                             var dot = SIMD[DType.float32, W](0)
                             if seen:
                                 comptime for d in range(0, head_dim, W):
                                     dot = qbuf.unsafe_load[width=W](r * head_dim + d).fma(
-                                        k.unsafe_load[width=W](d).cast[DType.float32](), dot
+                                        Codec.load[W](k, d), dot
                                     )
-                            scores[unsafe_offset=r * BLOCK + j] = dot.reduce_add() if seen else NEG
+                            scores[unsafe_offset=r * BLOCK + j] = (
+                                dot.reduce_add() * k_scale if seen else NEG
+                            )
             # Online softmax: scores become probabilities against the new max;
             # a row with nothing visible in this block adds nothing.
             for r in range(rows):
@@ -256,19 +261,18 @@ def cpu_attention[
             for j in range(n):
                 var v_row = kv.row_ptr(1, layer, b, t + j)
                 for h in range(kv_heads):
-                    var v = v_row.unsafe_offset(h * head_dim)
+                    var v = v_row.unsafe_offset(h * Codec.width)
+                    var v_scale = Codec.scale(v)
                     for tq in range(nq):
                         for g in range(group):
                             var r = tq * q_heads + h * group + g
-                            var p = SIMD[DType.float32, W](scores[unsafe_offset=r * BLOCK + j])
+                            var p = SIMD[DType.float32, W](
+                                scores[unsafe_offset=r * BLOCK + j] * v_scale
+                            )
                             comptime for d in range(0, head_dim, W):
                                 var a = acc.unsafe_offset(r * head_dim + d)
                                 a.unsafe_store(
-                                    0,
-                                    p.fma(
-                                        v.unsafe_load[width=W](d).cast[DType.float32](),
-                                        a.unsafe_load[width=W](0),
-                                    ),
+                                    0, p.fma(Codec.load[W](v, d), a.unsafe_load[width=W](0))
                                 )
             t += n
         if n_items == 1 or not decode:

@@ -57,8 +57,9 @@ trait MaxkvKVCollection(TrivialRegisterPassable):
     def row_ptr(
         self, kv_idx: Int, layer: Int, batch_idx: Int, token: Int
     ) -> UnsafePointer[Scalar[Self.View.dtype], MutUntrackedOrigin]:
-        """The contiguous `[num_heads, head_dim]` row of `token` of batch entry
-        `batch_idx` (0 keys, 1 values) in `layer`.
+        """The contiguous `[num_heads, head_width]` row of `token` of batch entry
+        `batch_idx` (0 keys, 1 values) in `layer`: a head row of the cache's
+        encoding each (`HeadCodec`, `encoding.mojo`).
 
         No bounds checks: callers run `check_extent` first.
         """

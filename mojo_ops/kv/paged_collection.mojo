@@ -3,7 +3,7 @@
 Protocol (`maxkv.PagedKVCacheManager`, steps written in `maxkv/cache/protocol.py`):
 
 1. `fetch()` hands the graph four tensors per device: `pages`
-   `[num_pages, 2, num_layers, page_size, num_heads, head_dim]`,
+   `[num_pages, 2, num_layers, page_size, num_heads, head_width]`,
    `cache_lengths` uint32 `[batch]`, `page_table` uint32
    `[batch, max_pages_per_seq]` (entry `[b, i]` is the page holding tokens
    `i * page_size ..` of sequence `b`; unused entries are `0xFFFFFFFF`) and
@@ -27,6 +27,7 @@ from kv_cache.types import (
 from layout import Layout, LayoutTensor, RuntimeLayout, UNKNOWN_VALUE, lt_to_tt
 from std.utils import IndexList
 
+from .encoding import HeadCodec
 from .kv_trait import MaxkvKVCollection
 
 
@@ -38,7 +39,8 @@ struct PagedKVCacheCollection[
     Parameters:
         dtype_name: Element type of the cache, as `DType` prints it.
         num_heads: Key/value heads held on this device.
-        head_dim: Size of one head.
+        head_dim: Size of one head (values; a stored row is `head_width`
+            elements of the encoding, `encoding.mojo`).
         page_size: Tokens per page.
     """
 
@@ -56,6 +58,8 @@ struct PagedKVCacheCollection[
         MutAnyOrigin,
     ]
     comptime View = Self.MaxCollection
+    comptime head_width = HeadCodec[Self.dtype, Self.head_dim].width
+    """Storage elements per head row (`head_dim`, plus an int8 row's scale)."""
 
     var pages: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]
     var cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin]
@@ -126,7 +130,7 @@ struct PagedKVCacheCollection[
         var page = self.page(batch_idx, token // Self.page_size)
         var row = ((page * 2 + kv_idx) * self.num_layers() + layer) * Self.page_size
         row += token % Self.page_size
-        return self.pages.unsafe_offset(row * Self.num_heads * Self.head_dim)
+        return self.pages.unsafe_offset(row * Self.num_heads * Self.head_width)
 
     def check_extent(self, batch_idx: Int, end: Int) raises:
         if end > self.capacity():
@@ -206,9 +210,9 @@ struct PagedKVCollectionCtor:
         if (
             pages.dim_size(3) != page_size
             or pages.dim_size(4) != num_heads
-            or pages.dim_size(5) != head_dim
+            or pages.dim_size(5) != Collection.head_width
         ):
-            raise Error("maxkv: pages' last three dims must be [page_size, num_heads, head_dim]")
+            raise Error("maxkv: pages' last three dims must be [page_size, num_heads, head_width]")
         if page_table.dim_size(0) != cache_lengths.dim_size(0):
             raise Error("maxkv: cache_lengths and page_table differ in batch size")
         if max_lengths.dim_size(0) < 1 or max_lengths.dim_size(1) != 2:

@@ -110,11 +110,11 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         """Shape of one device's blocks for ``n_sequences`` slots.
 
         ``[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device,
-        head_dim]``; axis 1 is 0 for keys, 1 for values.
+        head_width]``; axis 1 is 0 for keys, 1 for values.
         """
         n = require_int("n_sequences", n_sequences, 1)
         p = self.params
-        return [n, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_dim]
+        return [n, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_width]
 
     @classmethod
     def estimated_memory_size(

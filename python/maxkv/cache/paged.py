@@ -241,10 +241,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
             raise ValueError(
                 f"key_rotation has {key_rotation.num_layers} layers; the cache {num_layers}"
             )
-        if key_rotation is not None and params.cache_dtype == DType.bfloat16:
+        if key_rotation is not None and params.cache_dtype not in (DType.float32, DType.float16):
             raise ValueError(
-                "attention sinks rotate cached keys in NumPy, which has no bfloat16: keep "
-                "the cache in float16 or float32"
+                f"attention sinks rotate cached keys in NumPy, as values: keep the cache in "
+                f"float16 or float32, not {params.cache_dtype_name}"
             )
         #: Which pages a sequence keeps (every page without a sliding window).
         self.window = PageWindow(sliding_window, page_size)
@@ -298,10 +298,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def pages_shape(self, num_pages: int) -> list[int]:
         """Shape of one device's pages buffer: ``[num_pages, 2, num_layers,
-        page_size, n_kv_heads_per_device, head_dim]`` (axis 1: 0 keys, 1 values)."""
+        page_size, n_kv_heads_per_device, head_width]`` (axis 1: 0 keys, 1 values)."""
         n = require_int("num_pages", num_pages, 1)
         p = self.params
-        return [n, 2, self.num_layers, self.page_size, p.n_kv_heads_per_device, p.head_dim]
+        return [n, 2, self.num_layers, self.page_size, p.n_kv_heads_per_device, p.head_width]
 
     @classmethod
     def estimated_memory_size(
@@ -590,7 +590,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             kind="page",
             num_layers=self.num_layers,
             n_kv_heads=p.n_kv_heads,
-            head_dim=p.head_dim,
+            head_dim=p.head_width,  # a stored head row (int8: with its scale)
             dtype=p.cache_dtype_name,
             page_size=self.page_size,
             devices=p.n_devices,

@@ -4,11 +4,12 @@ encoding, the head layout, and the byte size of what it stores.
 The compute dtype (``dtype``) is what the model's Q, K and V are in when they
 reach the cache ops; the cache's encoding (``cache_dtype``) is how keys and
 values are stored.  They may differ: a float32 model can keep its KV in
-bfloat16 or float16 (half the bytes), as MAX's ``--kv-cache-format`` does.
-The store ops convert on write (rounding to nearest even), the attention
-kernels convert in their inner loop; no dequantized copy of the cache is
-ever made.  :meth:`KVCacheParams.token_bytes` is the one place the byte size
-of a cached token is computed.
+bfloat16 or float16 (half the bytes), as MAX's ``--kv-cache-format`` does, or
+in int8 with a float16 scale per token and KV head (about a quarter).  The
+store ops encode on write (rounding to nearest even), the attention kernels
+decode in their inner loop; no decoded copy of the cache is ever made.
+:attr:`KVCacheParams.head_width` and :meth:`KVCacheParams.token_bytes` are the
+one place the layout of a cached head row and its byte size are computed.
 """
 
 from __future__ import annotations
@@ -25,17 +26,25 @@ from ..errors import ArgumentTypeError, UnsupportedEncodingError
 SUPPORTED_DTYPES: tuple[DType, ...] = (DType.float32, DType.bfloat16, DType.float16)
 
 #: Every cache encoding a user may name (MAX's ``--kv-cache-format`` values and
-#: maxkv's own), whether maxkv implements it, and if not what it would take.
-#: The implemented ones are :data:`SUPPORTED_DTYPES`.
+#: maxkv's own): ``None`` where maxkv implements it, else why not.
+#: The implemented ones are :data:`CACHE_DTYPES`.
 CACHE_ENCODINGS: dict[str, str | None] = {
     "float32": None,
     "bfloat16": None,
     "float16": None,
     "float8_e4m3fn": "float8 KV (with a scale per token and head) is not implemented yet",
-    "int8": "int8 KV (with a scale per token and head) is not implemented yet",
+    "int8": None,
     "int4": "4-bit KV is not implemented yet",
     "float4_e2m1fn": "NVFP4 KV is a GPU format MAX implements for its own cache only",
 }
+
+
+#: The cache encodings maxkv implements, as their storage dtypes: the float
+#: dtypes, and ``int8`` (a head row's values, then its float16 scale).
+CACHE_DTYPES: tuple[DType, ...] = (*SUPPORTED_DTYPES, DType.int8)
+
+#: Bytes of the float16 scale that ends an int8 head row (``mojo_ops/kv/encoding.mojo``).
+INT8_SCALE_BYTES = 2
 
 
 def _require_positive_int(name: str, value: object) -> int:
@@ -63,7 +72,7 @@ def cache_encoding(name: object) -> DType:
         raise ArgumentTypeError(
             f"a cache encoding is a str or a max.dtype.DType, got {type(name).__name__}"
         )
-    implemented = ", ".join(d.name for d in SUPPORTED_DTYPES)
+    implemented = ", ".join(d.name for d in CACHE_DTYPES)
     if key not in CACHE_ENCODINGS:
         raise ValueError(f"{name!r} is not a KV cache encoding; maxkv implements {implemented}")
     reason = CACHE_ENCODINGS[key]
@@ -133,6 +142,18 @@ class KVCacheParams:
         return _MOJO_DTYPE_NAMES[self.dtype]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the cache encoding keeps a scale per token and KV head (int8)."""
+        return bool(self.cache_dtype == DType.int8)
+
+    @property
+    def head_width(self) -> int:
+        """Storage elements of one cached head row: ``head_dim`` values, and for
+        int8 the :data:`INT8_SCALE_BYTES` of its float16 scale (the last dim of
+        every cache buffer)."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.quantized else 0)
+
+    @property
     def cache_dtype_name(self) -> str:
         """The cache encoding as the Mojo ops spell it: the collection's ``dtype_name``."""
         return _MOJO_DTYPE_NAMES[self.cache_dtype]
@@ -140,15 +161,16 @@ class KVCacheParams:
     def token_bytes(self, num_layers: int) -> int:
         """Bytes one cached token takes on one device: keys and values of
         ``num_layers`` layers, ``n_kv_heads_per_device`` heads, in the cache
-        encoding.  Every byte count of a cache (slots, pages, budgets, tier
-        blocks) is a multiple of it."""
+        encoding (int8's scales included).  Every byte count of a cache
+        (slots, pages, budgets, tier blocks) is a multiple of it."""
         layers = _require_positive_int("num_layers", num_layers)
         element = int(self.cache_dtype.size_in_bytes)
-        return 2 * layers * self.n_kv_heads_per_device * self.head_dim * element
+        return 2 * layers * self.n_kv_heads_per_device * self.head_width * element
 
 
 _MOJO_DTYPE_NAMES: dict[DType, str] = {
     DType.float32: "float32",
     DType.bfloat16: "bfloat16",
     DType.float16: "float16",
+    DType.int8: "int8",
 }

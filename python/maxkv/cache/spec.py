@@ -59,10 +59,12 @@ PAGE_TABLE_WIDTH_DIM = "kv_max_pages_per_seq"
 class KVCacheInputs(NamedTuple):
     """One device's graph inputs for a step: MAX 24.x's 4-tuple, with names.
 
-    - ``blocks``: the whole cache; contiguous ``[slots, 2, num_layers,
-      max_seq_len, n_kv_heads_per_device, head_dim]``, paged ``[num_pages, 2,
-      num_layers, page_size, n_kv_heads_per_device, head_dim]`` (axis 1: 0
-      keys, 1 values).
+    - ``blocks``: the whole cache, of ``params.cache_dtype``; contiguous
+      ``[slots, 2, num_layers, max_seq_len, n_kv_heads_per_device,
+      head_width]``, paged ``[num_pages, 2, num_layers, page_size,
+      n_kv_heads_per_device, head_width]`` (axis 1: 0 keys, 1 values;
+      ``head_width`` is :attr:`KVCacheParams.head_width`: ``head_dim``, plus
+      an int8 row's scale).
     - ``cache_lengths``: uint32 ``[batch]``, tokens already cached per sequence.
     - ``lookup_table``: uint32; contiguous ``[batch]``, the slot of each
       sequence; paged ``[batch, max_pages_per_seq]``, its page table.
@@ -135,7 +137,7 @@ class CacheSpec:
     def blocks_shape(self) -> list[int | str]:
         """The ``blocks`` input's shape, with symbolic sizes."""
         p = self.params
-        heads, dim = p.n_kv_heads_per_device, p.head_dim
+        heads, dim = p.n_kv_heads_per_device, p.head_width
         if self.kind == "paged":
             assert self.page_size is not None
             pages = PAGES_DIM if self.group == 0 else f"{PAGES_DIM}_{self.group}"

@@ -1,0 +1,149 @@
+"""Writes into an encoded cache, bit for bit against NumPy quantizing the same way,
+and the device copies (fork, copy-on-write) over encoded rows.
+
+``write_kv_ragged`` (CacheBlend's store) encodes float32 keys and values on the
+way in; what a cache of each encoding holds afterwards must be exactly what
+:func:`tests.reference.quantize_int8` (int8) or NumPy's own rounding (float16,
+bfloat16: nearest, ties to even) makes of the same float32 values, ties included.
+Attention over encoded caches: ``test_attention.test_float32_model_over_a_narrower_cache``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType
+
+import maxkv
+from maxkv import KVCacheParams, PagedKVCacheManager
+
+from .reference import int8_rows, quantize_int8
+
+pytestmark = pytest.mark.compile
+
+HEADS, HEAD_DIM, LAYERS, PAGE = 2, 16, 2, 4
+WIDTH = HEADS * HEAD_DIM
+
+
+def params(encoding: DType) -> KVCacheParams:
+    return KVCacheParams(DType.float32, HEADS, HEAD_DIM, cache_dtype=encoding)
+
+
+def manager(encoding: DType, session: InferenceSession) -> PagedKVCacheManager:
+    return PagedKVCacheManager(params(encoding), PAGE, 16, 4, 32, LAYERS, [CPU()], session)
+
+
+_models: dict[DType, Model] = {}
+
+
+def write_model(m: PagedKVCacheManager, kernels: Path) -> Model:
+    """keys, values -> ``write_kv_ragged`` into every layer (layer l gets keys + l)."""
+    encoding = m.params.cache_dtype
+    if encoding not in _models:
+        ref = DeviceRef.CPU()
+        types = [
+            *m.input_symbols()[0],
+            TensorType(DType.float32, ["tokens", WIDTH], ref),
+            TensorType(DType.float32, ["tokens", WIDTH], ref),
+            TensorType(DType.uint32, ["offsets"], ref),
+        ]
+        with Graph(f"write_{encoding.name}", input_types=types, custom_extensions=[kernels]) as g:
+            *cache, keys, values, offsets = (v.tensor for v in g.inputs)
+            kv = m.collection_fetcher()(*cache)
+            for layer in range(LAYERS):
+                out = maxkv.ops.write_kv_ragged(m.params, keys + layer, values, offsets, kv, layer)
+            g.output(out)
+        _models[encoding] = m.session.load(g)
+    return _models[encoding]
+
+
+def expected_rows(values: np.ndarray, encoding: DType) -> np.ndarray:
+    """What a cache of ``encoding`` stores of float32 ``values`` ``[..., HEAD_DIM]``."""
+    values = values.astype(np.float32)
+    if encoding == DType.int8:
+        return int8_rows(*quantize_int8(values))
+    if encoding == DType.bfloat16:
+        bits = values.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return values.astype(np.float16)
+
+
+def stored(m: PagedKVCacheManager, seq: int, n: int) -> np.ndarray:
+    """``[n, 2, layers, heads, head_width]`` rows of ``seq`` as stored (bfloat16: bits)."""
+    buffer = m.fetch([seq])[0][0]
+    if buffer.dtype == DType.bfloat16:
+        buffer = buffer.view(DType.uint16)
+    pages = buffer.to_numpy()
+    return np.stack([pages[m.pages(seq)[t // PAGE], :, :, t % PAGE] for t in range(n)])
+
+
+def rows_with_ties(rng: np.random.Generator, tokens: int) -> np.ndarray:
+    """Random rows, plus rows whose values sit exactly halfway between two int8
+    steps (scale 0.125: max 15.875 = 127 x 0.125, values k x 0.0625 with k odd),
+    and an all-zero row."""
+    rows = rng.standard_normal((tokens, HEADS, HEAD_DIM)).astype(np.float32) * 3
+    rows[1] = (np.arange(HEADS * HEAD_DIM).reshape(HEADS, HEAD_DIM) % 9 * 2 - 7) * 0.0625
+    rows[1, :, 0] = 15.875
+    rows[2] = 0
+    return rows
+
+
+@pytest.mark.parametrize("encoding", [DType.int8, DType.bfloat16, DType.float16])
+def test_writes_encode_exactly_as_numpy(
+    encoding: DType, session: InferenceSession, kernels: Path
+) -> None:
+    m = manager(encoding, session)
+    model = write_model(m, kernels)
+    rng = np.random.default_rng(3)
+    (seq,) = m.claim(1)
+    keys, values = rows_with_ties(rng, 6), rows_with_ties(rng, 6)[::-1].copy()
+    (inputs,) = m.fetch([seq], active_lengths=[6])
+    model.execute(
+        *inputs,
+        Buffer.from_numpy(keys.reshape(6, WIDTH)),
+        Buffer.from_numpy(values.reshape(6, WIDTH)),
+        Buffer.from_numpy(np.array([0, 6], dtype=np.uint32)),
+    )
+    m.step({seq: 6})
+    got = stored(m, seq, 6)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(got[:, 0, layer], expected_rows(keys + layer, encoding))
+        np.testing.assert_array_equal(got[:, 1, layer], expected_rows(values, encoding))
+    if encoding == DType.int8:
+        q, scale = quantize_int8(keys[1])
+        assert scale[0] == np.float16(0.125) and (q[0, 1:] % 2 == 0).all()  # ties went to even
+        assert not got[2, 0, 0].any()  # the zero row (keys, layer 0): q 0, scale 0
+
+
+def test_fork_copies_int8_rows_with_their_scales(session: InferenceSession, kernels: Path) -> None:
+    """A fork mid-page copies the parent's partial page (``copy_tokens``) row for row,
+    scales included; then each sequence writes its own next token."""
+    m = manager(DType.int8, session)
+    model = write_model(m, kernels)
+    rng = np.random.default_rng(4)
+    (parent,) = m.claim(1)
+    rows = rng.standard_normal((10, WIDTH)).astype(np.float32)
+    (inputs,) = m.fetch([parent], active_lengths=[10])
+    offsets = Buffer.from_numpy(np.array([0, 10], dtype=np.uint32))
+    model.execute(*inputs, Buffer.from_numpy(rows), Buffer.from_numpy(rows), offsets)
+    m.step({parent: 10})
+    child = m.fork(parent)
+    assert m.pages(child)[:2] == m.pages(parent)[:2] and m.pages(child)[2] != m.pages(parent)[2]
+    np.testing.assert_array_equal(stored(m, child, 10), stored(m, parent, 10))
+    for seq, seed in ((parent, 5), (child, 6)):
+        row = np.random.default_rng(seed).standard_normal((1, WIDTH)).astype(np.float32)
+        (inputs,) = m.fetch([seq], active_lengths=[1])
+        one = Buffer.from_numpy(np.array([0, 1], dtype=np.uint32))
+        model.execute(*inputs, Buffer.from_numpy(row), Buffer.from_numpy(row), one)
+        m.step({seq: 1})
+        got = stored(m, seq, 11)
+        np.testing.assert_array_equal(
+            got[10, 1, 0], expected_rows(row.reshape(HEADS, HEAD_DIM), DType.int8)
+        )
+    assert not np.array_equal(stored(m, parent, 11)[10], stored(m, child, 11)[10])
+    np.testing.assert_array_equal(stored(m, parent, 10), stored(m, child, 10))
