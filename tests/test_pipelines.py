@@ -316,6 +316,62 @@ def test_max_generate_matches_transformers(
     assert logged[-1]["free"] == logged[-1]["total"]  # slots, or pages of 16 tokens
 
 
+@pytest.mark.serve
+def test_max_generate_kv_cache_format_int8_plans_real_bytes(tiny_llama_dir: Path) -> None:
+    """``--kv-cache-format int8`` (maxkv's own encoding): the startup line names it,
+    and the same memory plan holds over 3.8x the pages of float32 KV."""
+    pages = {}
+    for encoding in ("float32", "int8"):
+        result = _generate_with_format(tiny_llama_dir, encoding)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        log = result.stdout + result.stderr
+        found = re.search(r"paged cache: (\d+) pages of 16 tokens \([\d.]+ MiB, (\w+) KV\)", log)
+        assert found is not None, log[-3000:]
+        assert found.group(2) == encoding
+        pages[encoding] = int(found.group(1))
+        assert "Output size: " in result.stdout
+    assert pages["int8"] >= 3.8 * pages["float32"], pages
+
+
+@pytest.mark.serve
+@pytest.mark.parametrize(
+    ("encoding", "message"),
+    [
+        ("float8_e4m3fn", "--kv-cache-format float8_e4m3fn: the KV cache encoding "),
+        ("int3", "int3"),
+    ],
+)
+def test_max_generate_refuses_a_kv_cache_format_maxkv_lacks(
+    tiny_llama_dir: Path, encoding: str, message: str
+) -> None:
+    """An encoding maxkv does not implement stops the pipeline at start, by name;
+    nothing is served from another encoding."""
+    result = _generate_with_format(tiny_llama_dir, encoding)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert "Output size: " not in result.stdout
+
+
+def _generate_with_format(directory: Path, encoding: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            MAX_CLI,
+            "generate",
+            *max_pipeline_args(
+                directory,
+                *("--max-length", "64", "--max-batch-size", "2", "--kv-cache-page-size", "16"),
+                *("--kv-cache-format", encoding, "--top-k", "1", "--prompt", "hello world"),
+            ),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **OFFLINE},
+    )
+
+
 #: A prompt of 160 tokens (one per character): past the families' 128-token windows.
 LONG_PROMPT = ("the cache keeps what the window no longer sees; " * 4)[:160]
 

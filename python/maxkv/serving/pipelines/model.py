@@ -80,6 +80,8 @@ DEFAULT_ATTENTION_SINKS = 4
 #: Set to ``1``: a model whose layers all slide keeps every page of a request
 #: until it ends, as maxkv did before it gave pages back (for comparisons).
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
+#: ``--kv-cache-format`` values maxkv implements and MAX 26.7's own cache does not.
+MAXKV_ONLY_FORMATS = ("int8", "float16")
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
 #: New tokens of one step a hybrid cache's sliding groups make room for, unless
@@ -158,9 +160,21 @@ class MaxkvArchConfig(Llama3Config):
         hf.rope_theta = 10000.0
         if hasattr(hf, "rope_scaling"):
             hf.rope_scaling = None
-        return cls.initialize_from_config(
-            pipeline_config, hf, model_config, max_seq_len=max_seq_len
-        )
+        # MAX resolves --kv-cache-format for its own cache and knows no int8 or
+        # float16 (maxkv's): it plans for float32 then, and the cache's encoding
+        # is maxkv's (its startup line names it; an unknown one is refused there).
+        kv_cache = model_config.kv_cache
+        encoding = kv_cache.kv_cache_format
+        maxkv_only = encoding is not None and encoding.strip().lower() in MAXKV_ONLY_FORMATS
+        if maxkv_only:
+            kv_cache.kv_cache_format = None
+        try:
+            return cls.initialize_from_config(
+                pipeline_config, hf, model_config, max_seq_len=max_seq_len
+            )
+        finally:
+            if maxkv_only:
+                kv_cache.kv_cache_format = encoding
 
 
 class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
