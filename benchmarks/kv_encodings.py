@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -112,18 +113,21 @@ class EncodedDecode:
         ref = DeviceRef.CPU()
         cache = self.manager.input_symbols()[0]
         width = kv_heads * head_dim
-        with Graph(f"write_{encoding}", input_types=[*cache, *self._rows(width, ref)]) as g:
+        kernels = [kernels_path()]
+        types = [*cache, *self._rows(width, ref)]
+        with Graph(f"write_{encoding}", input_types=types, custom_extensions=kernels) as g:
             *inputs, keys, values, offsets = (v.tensor for v in g.inputs)
             kv = self.manager.collection_fetcher()(*inputs)
             g.output(kvops.write_kv_ragged(self.params, keys, values, offsets, kv, 0))
-        self.write = session.load(g, custom_extensions=[kernels_path()])
+        self.write = session.load(g)
         q_type = TensorType(DType.float32, ["batch", q_heads, head_dim], ref)
         o_type = TensorType(DType.uint32, ["offsets"], ref)
-        with Graph(f"attend_{encoding}", input_types=[*cache, q_type, o_type]) as g:
+        types = [*cache, q_type, o_type]
+        with Graph(f"attend_{encoding}", input_types=types, custom_extensions=kernels) as g:
             *inputs, q, offsets = (v.tensor for v in g.inputs)
             kv = self.manager.collection_fetcher()(*inputs)
             g.output(kvops.flash_attention_ragged(self.params, q, offsets, kv, 0))
-        self.attend = session.load(g, custom_extensions=[kernels_path()])
+        self.attend = session.load(g)
 
     @staticmethod
     def _rows(width: int, ref: Any) -> list[Any]:
@@ -164,7 +168,7 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
     from maxkv_bench.timing import interleaved_median_seconds
 
     session = InferenceSession(devices=[CPU()])
-    bandwidth = read_bandwidth_gbps()
+    bandwidth = read_bandwidth_gbps(session, CPU(), os.cpu_count() or 1)
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -209,26 +209,32 @@ def cpu_attention[
         var t = start
         while t < end:
             var n = min(BLOCK, end - t)
-            # Scores: each K row ([kv_heads, head_dim], contiguous) read once.
+            # Scores: each K row ([kv_heads, head_dim], contiguous) read and
+            # decoded once, for every query row of its group.
             for j in range(n):
                 var k_row = kv.row_ptr(0, layer, b, t + j)
+                var seen = 0  # bit tq: token tq of the item sees position t + j
                 for tq in range(nq):
                     var seen_end = visible_end(b, t0 + tq)
-                    var seen = _visible_start(seen_end, window) <= t + j and t + j < seen_end
-                    for h in range(kv_heads):
-                        var k = k_row.unsafe_offset(h * Codec.width)
-                        var k_scale = Codec.scale(k)
+                    if _visible_start(seen_end, window) <= t + j and t + j < seen_end:
+                        seen |= 1 << tq
+                for h in range(kv_heads):
+                    var k = k_row.unsafe_offset(h * Codec.width)
+                    var k_scale = Codec.scale(k)
+                    var key = Codec.load[head_dim](k, 0)
+                    for tq in range(nq):
+                        var sees = (seen >> tq) & 1 == 1
                         for g in range(group):
                             var r = tq * q_heads + h * group + g
-                            var dot = SIMD[DType.float32, W](0)
-                            if seen:
+                            var score = NEG
+                            if sees:
+                                var dot = SIMD[DType.float32, W](0)
                                 comptime for d in range(0, head_dim, W):
                                     dot = qbuf.unsafe_load[width=W](r * head_dim + d).fma(
-                                        Codec.load[W](k, d), dot
+                                        key.slice[W, offset=d](), dot
                                     )
-                            scores[unsafe_offset=r * BLOCK + j] = (
-                                dot.reduce_add() * k_scale if seen else NEG
-                            )
+                                score = dot.reduce_add() * k_scale
+                            scores[unsafe_offset=r * BLOCK + j] = score
             # Online softmax: scores become probabilities against the new max;
             # a row with nothing visible in this block adds nothing.
             for r in range(rows):
@@ -257,11 +263,12 @@ def cpu_attention[
                     comptime for d in range(0, head_dim, W):
                         var a = acc.unsafe_offset(r * head_dim + d)
                         a.unsafe_store(0, a.unsafe_load[width=W](0) * alpha)
-            # Values: each V row read once, into every query row of its group.
+            # Values: each V row read and decoded once, into every query row of its group.
             for j in range(n):
                 var v_row = kv.row_ptr(1, layer, b, t + j)
                 for h in range(kv_heads):
                     var v = v_row.unsafe_offset(h * Codec.width)
+                    var value = Codec.load[head_dim](v, 0)
                     var v_scale = Codec.scale(v)
                     for tq in range(nq):
                         for g in range(group):
@@ -272,7 +279,7 @@ def cpu_attention[
                             comptime for d in range(0, head_dim, W):
                                 var a = acc.unsafe_offset(r * head_dim + d)
                                 a.unsafe_store(
-                                    0, p.fma(Codec.load[W](v, d), a.unsafe_load[width=W](0))
+                                    0, p.fma(value.slice[W, offset=d](), a.unsafe_load[width=W](0))
                                 )
             t += n
         if n_items == 1 or not decode:
