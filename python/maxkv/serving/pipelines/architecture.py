@@ -24,7 +24,7 @@ from max.pipelines.modeling.types import PipelineTask
 from ...models.family import registered_architectures
 from .api import MaxkvTextTokenizer
 from .kv_adapter import MaxkvKVManager
-from .model import MaxkvArchConfig, MaxkvPipelineModel
+from .model import MaxkvArchConfig, MaxkvPipelineModel, accept_maxkv_formats
 
 
 @contextmanager
@@ -81,3 +81,4 @@ def maxkv_architecture(name: str) -> SupportedArchitecture:
 
 #: What ``--custom-architectures`` registers (overriding MAX's own of the same names).
 ARCHITECTURES = [maxkv_architecture(name) for name in registered_architectures()]
+accept_maxkv_formats()

@@ -82,6 +82,22 @@ DEFAULT_ATTENTION_SINKS = 4
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
 #: ``--kv-cache-format`` values maxkv implements and MAX 26.7's own cache does not.
 MAXKV_ONLY_FORMATS = ("int8", "float16")
+
+
+def accept_maxkv_formats() -> None:
+    """Lets MAX 26.7 take :data:`MAXKV_ONLY_FORMATS` for ``--kv-cache-format``.
+
+    MAX resolves the flag for its own cache in several places and refuses names
+    it does not know.  For maxkv's it plans its memory budget as for float32;
+    maxkv then counts its pages in the encoding's real bytes (more pages in the
+    same budget), names the encoding on its startup line, and refuses the
+    encodings it lacks (:func:`kv_cache_params`).  Called when MAX loads
+    ``maxkv.pipelines`` as a custom architecture.
+    """
+    from max.pipelines.kv_cache import config
+
+    for name in MAXKV_ONLY_FORMATS:
+        config._KV_CACHE_FORMAT_TO_DTYPE.setdefault(name, DType.float32)
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
 #: New tokens of one step a hybrid cache's sliding groups make room for, unless
@@ -160,21 +176,9 @@ class MaxkvArchConfig(Llama3Config):
         hf.rope_theta = 10000.0
         if hasattr(hf, "rope_scaling"):
             hf.rope_scaling = None
-        # MAX resolves --kv-cache-format for its own cache and knows no int8 or
-        # float16 (maxkv's): it plans for float32 then, and the cache's encoding
-        # is maxkv's (its startup line names it; an unknown one is refused there).
-        kv_cache = model_config.kv_cache
-        encoding = kv_cache.kv_cache_format
-        maxkv_only = encoding is not None and encoding.strip().lower() in MAXKV_ONLY_FORMATS
-        if maxkv_only:
-            kv_cache.kv_cache_format = None
-        try:
-            return cls.initialize_from_config(
-                pipeline_config, hf, model_config, max_seq_len=max_seq_len
-            )
-        finally:
-            if maxkv_only:
-                kv_cache.kv_cache_format = encoding
+        return cls.initialize_from_config(
+            pipeline_config, hf, model_config, max_seq_len=max_seq_len
+        )
 
 
 class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
