@@ -26,7 +26,7 @@ from max.gpu.host.info import is_cpu
 
 from .checks import check_layer, check_row_count
 from .collection import ContinuousBatchingKVCacheCollection
-from .decode_attention import MAX_GROUP, cpu_attention, cpu_attention_applies, is_decode_step
+from .decode_attention import W, MAX_GROUP, cpu_attention, cpu_attention_applies, is_decode_step
 from .kv_trait import MaxkvKVCollection
 from .paged_collection import PagedKVCacheCollection
 
@@ -137,14 +137,15 @@ def flash_attention[
                     " queries needs head_dim (", head_dim, ") a multiple of the SIMD width and",
                     " whole groups of query heads per KV head",
                 )
-        var decode = q_heads // kv_heads <= MAX_GROUP and is_decode_step(
-            input_row_offsets, kv.batch()
-        )
-        if ours and (converts or decode):
-            cpu_attention[
-                kv_heads=kv_heads, head_dim=head_dim, null_mask=mask_str == "null"
-            ](output, input, input_row_offsets, kv, Int(layer), scale, window)
-            return
+        comptime if head_dim % W == 0:  # otherwise the kernel is not even instantiated
+            var decode = q_heads // kv_heads <= MAX_GROUP and is_decode_step(
+                input_row_offsets, kv.batch()
+            )
+            if ours and (converts or decode):
+                cpu_attention[
+                    kv_heads=kv_heads, head_dim=head_dim, null_mask=mask_str == "null"
+                ](output, input, input_row_offsets, kv, Int(layer), scale, window)
+                return
     comptime if not converts:
         _max_flash_attention[mask_str=mask_str, window=window, scale=scale, target=target](
             output, input, input_row_offsets, kv, layer, ctx
