@@ -82,6 +82,11 @@ DEFAULT_ATTENTION_SINKS = 4
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
 #: ``--kv-cache-format`` values maxkv implements and MAX 26.7's own cache does not.
 MAXKV_ONLY_FORMATS = ("int8", "float16")
+#: MAX 26.7's default ``--kv-cache-page-size``.
+MAX_DEFAULT_PAGE_SIZE = 128
+#: New tokens of one step a hybrid cache's sliding groups make room for, unless
+#: MAX passes its ``--max-batch-input-tokens``.
+DEFAULT_STEP_TOKENS = 8192
 
 
 def accept_maxkv_formats() -> None:
@@ -98,11 +103,6 @@ def accept_maxkv_formats() -> None:
 
     for name in MAXKV_ONLY_FORMATS:
         config._KV_CACHE_FORMAT_TO_DTYPE.setdefault(name, DType.float32)
-#: MAX 26.7's default ``--kv-cache-page-size``.
-MAX_DEFAULT_PAGE_SIZE = 128
-#: New tokens of one step a hybrid cache's sliding groups make room for, unless
-#: MAX passes its ``--max-batch-input-tokens``.
-DEFAULT_STEP_TOKENS = 8192
 
 
 class _ToMaxLog(logging.Handler):
