@@ -9,7 +9,7 @@ serves every layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,17 +97,7 @@ GQA_F32_CACHE_BF16 = AttentionConfig(
     window=128,
     max_seq_len=320,
 )
-GQA_F32_CACHE_INT8 = AttentionConfig(
-    DType.float32,
-    4,
-    2,
-    16,
-    interleaved=False,
-    store_rope=True,
-    cache_dtype=DType.int8,
-    window=128,
-    max_seq_len=320,
-)
+GQA_F32_CACHE_INT8 = replace(GQA_F32_CACHE_BF16, cache_dtype=DType.int8)
 MHA_F32_STORE_ROPE_CACHE_F16 = AttentionConfig(
     DType.float32, 2, 2, 32, interleaved=True, store_rope=True, cache_dtype=DType.float16
 )

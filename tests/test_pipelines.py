@@ -275,9 +275,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def max_generate(
-    directory: Path, prompt: str, max_length: int, max_batch: int, **env: str
+    directory: Path,
+    prompt: str,
+    max_length: int,
+    max_batch: int,
+    *extra: str,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    """``max generate`` on maxkv, greedy, pages of 16 tokens, ``env`` added."""
+    """``max generate`` on maxkv, greedy, pages of 16 tokens, ``extra`` flags and
+    ``env`` added."""
     return subprocess.run(
         [
             MAX_CLI,
@@ -286,6 +292,7 @@ def max_generate(
                 directory,
                 *("--max-length", str(max_length), "--max-batch-size", str(max_batch)),
                 *("--kv-cache-page-size", "16", "--top-k", "1", "--prompt", prompt),
+                *extra,
             ),
             "--max-new-tokens",
             str(NEW_TOKENS),
@@ -357,23 +364,7 @@ def test_max_generate_refuses_a_kv_cache_format_maxkv_lacks(
 
 
 def _generate_with_format(directory: Path, encoding: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            MAX_CLI,
-            "generate",
-            *max_pipeline_args(
-                directory,
-                *("--max-length", "64", "--max-batch-size", "2", "--kv-cache-page-size", "16"),
-                *("--kv-cache-format", encoding, "--top-k", "1", "--prompt", "hello world"),
-            ),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **OFFLINE},
-    )
+    return max_generate(directory, "hello world", 64, 2, "--kv-cache-format", encoding)
 
 
 #: A prompt of 160 tokens (one per character): past the families' 128-token windows.
