@@ -23,7 +23,8 @@ encoding: perplexity, its difference from float32 KV's, the mean KL
 divergence of the next-token distributions against float32 KV's and the
 top-1 agreement (llama.cpp's ``perplexity --kl-divergence`` figures); then the
 README's 8 chat questions, greedy, 64 new tokens: answers equal to float32
-KV's.  ``--random-shape llama-3.2-1b`` does the KL part on random weights of
+KV's.  ``--encodings int8,int4`` runs some encodings (and float32).
+``--random-shape llama-3.2-1b`` does the KL part on random weights of
 that shape (no tokenizer: a random token stream).
 """
 
@@ -41,7 +42,9 @@ from typing import Any
 import numpy as np
 
 GPL = Path("/usr/share/common-licenses/GPL-3")
-ENCODINGS = ("float32", "bfloat16", "float16", "int8")
+#: Every encoding maxkv implements; ``--encodings`` picks some (float32, the
+#: reference, always runs).
+ENCODINGS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int8", "int4")
 #: (query heads, KV heads, head_dim, layers) of real models.
 SHAPES = {
     "smollm2-135m": (9, 3, 64, 30),
@@ -67,7 +70,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, (_, kv_heads, head_dim, layers) in SHAPES.items():
         base = KVCacheParams(DType.float32, kv_heads, head_dim).token_bytes(layers)
-        for encoding in ENCODINGS:
+        for encoding in args.encodings:
             params = KVCacheParams(DType.float32, kv_heads, head_dim, cache_dtype=encoding)
             per_token = params.token_bytes(layers)
             rows.append(
@@ -80,7 +83,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             print(
-                f"{name:14s} {encoding:9s} {per_token:7d} B/token "
+                f"{name:14s} {encoding:13s} {per_token:7d} B/token "
                 f"{budget // per_token:8d} tokens/GiB  {base / per_token:.2f}x",
                 flush=True,
             )
@@ -188,7 +191,7 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
                 ]
                 sides = {
                     e: EncodedDecode(e, (q_heads, kv_heads, head_dim), batch, context, session)
-                    for e in ENCODINGS
+                    for e in args.encodings
                 }
                 inputs = {e: side.fill(k, v) for e, side in sides.items()}
                 del k, v
@@ -226,7 +229,7 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
                     f"{model} batch {batch:2d} context {context:5d}: "
                     + "  ".join(
                         f"{e} {medians[e] * 1e3:.3f} ms ({base / medians[e]:.2f}x)"
-                        for e in ENCODINGS
+                        for e in args.encodings
                     )
                 )
                 for side in sides.values():
@@ -282,7 +285,7 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         model_name = "smollm2-135m"
     page = 16
     sides: dict[str, tuple[Any, Any]] = {}
-    for encoding in ENCODINGS:
+    for encoding in args.encodings:
         manager = PagedKVCacheManager(
             cache_params(config, cache_dtype=encoding),
             page,
@@ -299,9 +302,9 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         sides[encoding] = (manager, model)
         log(f"{encoding}: model ready")
     seqs = {e: m.claim(1)[0] for e, (m, _) in sides.items()}
-    nll: dict[str, list[float]] = {e: [] for e in ENCODINGS}
-    kl: dict[str, list[float]] = {e: [] for e in ENCODINGS}
-    top1: dict[str, list[bool]] = {e: [] for e in ENCODINGS}
+    nll: dict[str, list[float]] = {e: [] for e in args.encodings}
+    kl: dict[str, list[float]] = {e: [] for e in args.encodings}
+    top1: dict[str, list[bool]] = {e: [] for e in args.encodings}
     started = time.perf_counter()
     offsets = Buffer.from_numpy(np.array([0, 1], dtype=np.uint32))
     for i in range(len(ids) - 1):
@@ -316,19 +319,19 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
             nll[e].append(-logp[e][ids[i + 1]])
         reference = logp["float32"]
         p = np.exp(reference)
-        for e in ENCODINGS:
+        for e in args.encodings:
             kl[e].append(float((p * (reference - logp[e])).sum()))
             top1[e].append(bool(logp[e].argmax() == reference.argmax()))
         if (i + 1) % 512 == 0:
             log(
                 f"{i + 1} tokens, {time.perf_counter() - started:.0f} s: "
-                + "  ".join(f"{e} KL {np.mean(kl[e]):.2e}" for e in ENCODINGS)
+                + "  ".join(f"{e} KL {np.mean(kl[e]):.2e}" for e in args.encodings)
             )
     for e, (manager, _) in sides.items():
         manager.release(seqs[e])
     base = math.exp(np.mean(nll["float32"]))
     runs = {}
-    for e in ENCODINGS:
+    for e in args.encodings:
         ppl = math.exp(np.mean(nll[e]))
         runs[e] = {
             "perplexity": ppl,
@@ -352,12 +355,16 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     if tokenizer is not None:
-        result["chat"] = chat_agreement(config, weights, quantized, tokenizer, session)
+        result["chat"] = chat_agreement(
+            config, weights, quantized, tokenizer, session, args.encodings
+        )
         print(f"chat answers equal to float32 KV's: {result['chat']}", flush=True)
     return result
 
 
-def chat_agreement(config: Any, weights: Any, quantized: Any, tokenizer: Any, session: Any) -> Any:
+def chat_agreement(
+    config: Any, weights: Any, quantized: Any, tokenizer: Any, session: Any, encodings: list[str]
+) -> Any:
     """The README's chat questions, greedy, through maxkv's scheduler per encoding:
     how many answers equal float32 KV's, token for token."""
     from max.driver import CPU
@@ -372,7 +379,7 @@ def chat_agreement(config: Any, weights: Any, quantized: Any, tokenizer: Any, se
 
     prompts = [tokenizer.encode_chat(q) for q in DEFAULT_QUESTIONS]
     answers: dict[str, list[list[int]]] = {}
-    for encoding in ENCODINGS:
+    for encoding in encodings:
         manager = PagedKVCacheManager(
             cache_params(config, cache_dtype=encoding),
             16,
@@ -398,7 +405,7 @@ def chat_agreement(config: Any, weights: Any, quantized: Any, tokenizer: Any, se
             ),
             "of": len(prompts),
         }
-        for e in ENCODINGS
+        for e in encodings
     }
 
 
@@ -412,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--random-shape", help="quality on random weights of this shape")
     parser.add_argument("--models", default="/work/bench_models", help="checkpoints folder")
+    parser.add_argument("--encodings", default=",".join(ENCODINGS), help="comma-separated")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    chosen = [e.strip() for e in args.encodings.split(",") if e.strip() != "float32"]
+    args.encodings = ["float32", *chosen]
     from maxkv_bench.report import machine_info
 
     started = time.time()

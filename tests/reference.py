@@ -131,6 +131,23 @@ class ReferenceLayerCache:
         )
 
 
+#: The quantized cache encodings, as maxkv's ``mojo_ops/kv/encoding.mojo``
+#: documents them: ``int8`` and ``float8_e4m3fn`` rows end with a float16
+#: scale per row; ``int4`` keeps a float16 scale per group of 32 values.
+QUANTIZED_ENCODINGS = ("int8", "float8_e4m3fn", "int4")
+INT4_GROUP = 32
+
+
+def _half_bytes(scale: np.ndarray) -> np.ndarray:
+    """float16 scales ``[...]`` as their little-endian bytes ``[..., 2]``."""
+    return np.ascontiguousarray(scale.astype("<f2")).view(np.uint8).reshape(*scale.shape, 2)
+
+
+def _halves(data: np.ndarray) -> np.ndarray:
+    """float64 values of little-endian float16 bytes ``[..., 2 * n]``."""
+    return np.ascontiguousarray(data).view("<f2").astype(np.float64)
+
+
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per row of the last axis, from the definition: ``scale =
     float16(max|x| / 127)`` (in float32, then rounded to float16), ``q =
@@ -144,15 +161,75 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(q, -127, 127).astype(np.int8), scale
 
 
-def int8_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The stored int8 head rows: the values, then the scale's two bytes (little-endian)."""
-    scale_bytes = np.ascontiguousarray(scale.astype("<f2")).view(np.int8).reshape(*scale.shape, 2)
-    return np.concatenate([q, scale_bytes], axis=-1)
+def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float8 E4M3 per row of the last axis: ``scale = float16(max|x| / 448)``,
+    ``q = float8_e4m3fn(x / scale)`` (torch's conversion: nearest, ties to
+    even) of ``x / scale`` clamped to [-448, 448].  Returns ``(q as its uint8
+    bit patterns, scale float16)``."""
+    import torch
+
+    x = np.asarray(x, dtype=np.float32)
+    scale = (np.abs(x).max(axis=-1) / np.float32(448)).astype(np.float16)
+    wide = scale.astype(np.float32)[..., None]
+    safe = np.where(wide > 0, wide, np.float32(1))
+    q = np.where(wide > 0, np.clip(x / safe, -448, 448), np.float32(0)).astype(np.float32)
+    bits = torch.from_numpy(np.ascontiguousarray(q)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return bits.numpy(), scale
 
 
-def dequantize_int8_rows(rows: np.ndarray) -> np.ndarray:
-    """float64 values of stored int8 head rows ``[..., head_dim + 2]``."""
-    rows = np.ascontiguousarray(rows, dtype=np.int8)
-    scale = rows[..., -2:].copy().view("<f2")[..., 0].astype(np.float64)
-    values: np.ndarray = rows[..., :-2].astype(np.float64) * scale[..., None]
-    return values
+def quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q4_0 per group of 32 values of the last axis: ``m`` is the
+    group's value of largest magnitude (its maximum on a tie), ``scale =
+    float16(m / -8)``, ``q = round(x / scale)`` (ties to even) clamped to
+    [-8, 7].  Returns ``(q int8 [..., n], scale float16 [..., n / 32])``."""
+    x = np.asarray(x, dtype=np.float32)
+    groups = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    hi, lo = groups.max(axis=-1), groups.min(axis=-1)
+    m = np.where(hi >= -lo, hi, lo)
+    scale = (m / np.float32(-8)).astype(np.float16)
+    wide = scale.astype(np.float32)[..., None]
+    safe = np.where(wide != 0, wide, np.float32(1))
+    q = np.where(wide != 0, np.clip(np.rint(groups / safe), -8, 7), np.float32(0))
+    return q.astype(np.int8).reshape(x.shape), scale
+
+
+def encode_rows(x: np.ndarray, encoding: str) -> np.ndarray:
+    """The stored bytes (uint8 ``[..., row bytes]``) of head rows ``x``
+    ``[..., head_dim]`` in a quantized ``encoding``: int8 and float8 values
+    then the row's float16 scale; int4 values ``q + 8`` as nibbles (byte ``i``:
+    ``q[i]`` low, ``q[i + head_dim / 2]`` high) then the groups' scales."""
+    if encoding == "int4":
+        q, scale = quantize_int4(x)
+        n = (q.astype(np.int16) + 8).astype(np.uint8)
+        half = n.shape[-1] // 2
+        packed = n[..., :half] | (n[..., half:] << 4)
+        scales = _half_bytes(scale).reshape(*scale.shape[:-1], -1)
+        return np.concatenate([packed, scales], axis=-1)
+    quantize = {"int8": quantize_int8, "float8_e4m3fn": quantize_float8}[encoding]
+    values, scale = quantize(x)
+    return np.concatenate([values.view(np.uint8), _half_bytes(scale)], axis=-1)
+
+
+def decode_rows(rows: np.ndarray, encoding: str) -> np.ndarray:
+    """float64 values of stored head rows (:func:`encode_rows`'s layout; as bytes
+    or in any storage dtype, whose bytes are read)."""
+    rows = np.ascontiguousarray(rows).view(np.uint8)
+    if encoding == "int4":
+        head_dim = rows.shape[-1] * 16 // 9  # head_dim / 2 + 2 * head_dim / 32 bytes
+        half = head_dim // 2
+        q = np.concatenate([rows[..., :half] & 0xF, rows[..., :half] >> 4], axis=-1)
+        values = q.astype(np.float64) - 8
+        scale = _halves(rows[..., half:])
+        groups = values.reshape(*values.shape[:-1], -1, INT4_GROUP) * scale[..., None]
+        decoded: np.ndarray = groups.reshape(values.shape)
+        return decoded
+    scale = _halves(rows[..., -2:])[..., 0]
+    if encoding == "int8":
+        values = rows[..., :-2].view(np.int8).astype(np.float64)
+    else:
+        import torch
+
+        bits = torch.from_numpy(np.ascontiguousarray(rows[..., :-2]))
+        values = bits.view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    decoded = values * scale[..., None]
+    return decoded

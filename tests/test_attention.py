@@ -30,9 +30,8 @@ from maxkv.graph import KVCacheCollection
 
 from .reference import (
     ReferenceLayerCache,
-    dequantize_int8_rows,
-    int8_rows,
-    quantize_int8,
+    decode_rows,
+    encode_rows,
 )
 
 pytestmark = pytest.mark.compile
@@ -63,12 +62,15 @@ class AttentionConfig:
     slots: int = 6
     max_seq_len: int = 32
     #: The cache encoding (``None``: the compute dtype).
-    cache_dtype: DType | None = None
+    cache_dtype: DType | str | None = None
 
     @property
     def params(self) -> KVCacheParams:
         return KVCacheParams(
-            self.dtype, self.n_kv_heads, self.head_dim, cache_dtype=self.cache_dtype
+            self.dtype,
+            self.n_kv_heads,
+            self.head_dim,
+            cache_dtype=self.cache_dtype,  # type: ignore[arg-type]
         )
 
     def manager(self, session: InferenceSession) -> ContinuousBatchingKVCacheManager:
@@ -98,6 +100,9 @@ GQA_F32_CACHE_BF16 = AttentionConfig(
     max_seq_len=320,
 )
 GQA_F32_CACHE_INT8 = replace(GQA_F32_CACHE_BF16, cache_dtype=DType.int8)
+GQA_F32_CACHE_FLOAT8 = replace(GQA_F32_CACHE_BF16, cache_dtype="float8_e4m3fn")
+# int4 keeps a scale per 32 values: a head of 32.
+GQA_F32_CACHE_INT4 = replace(GQA_F32_CACHE_BF16, head_dim=32, cache_dtype="int4")
 MHA_F32_STORE_ROPE_CACHE_F16 = AttentionConfig(
     DType.float32, 2, 2, 32, interleaved=True, store_rope=True, cache_dtype=DType.float16
 )
@@ -201,25 +206,27 @@ def as_numpy(buffer: Buffer) -> np.ndarray:
     return buffer.to_numpy().astype(np.float32)
 
 
-def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
-    """What a cache of encoding ``dtype`` keeps of float64 values computed in
-    float32: rounded to float32, then to ``dtype`` (nearest, ties to even), as float64."""
+def encode(array: np.ndarray, params: KVCacheParams) -> np.ndarray:
+    """What a cache of ``params``' encoding keeps of float64 values computed in
+    float32: rounded to float32, then to the encoding (nearest, ties to even;
+    quantized head rows as :func:`tests.reference.encode_rows`), as float64."""
     single = np.asarray(array, dtype=np.float32)
+    dtype = params.cache_dtype
+    if params.quantized:
+        return decode_rows(encode_rows(single, params.encoding), params.encoding)
     if dtype == DType.bfloat16:
         bits = single.view(np.uint32).astype(np.uint64)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
         return bits.astype(np.uint32).view(np.float32).astype(np.float64)
     if dtype == DType.float16:
         return single.astype(np.float16).astype(np.float64)
-    if dtype == DType.int8:
-        return dequantize_int8_rows(int8_rows(*quantize_int8(single)))
     return single.astype(np.float64)
 
 
 def decoded(blocks: Buffer, params: KVCacheParams) -> np.ndarray:
-    """A cache buffer's values as float64 (int8 head rows decoded with their scales)."""
-    if params.cache_dtype == DType.int8:
-        return dequantize_int8_rows(blocks.to_numpy())
+    """A cache buffer's values as float64 (quantized head rows decoded with their scales)."""
+    if params.quantized:
+        return decode_rows(blocks.to_numpy(), params.encoding)
     return as_numpy(blocks).astype(np.float64)
 
 
@@ -280,7 +287,7 @@ class LayerHarness:
             THETA,
             cfg.interleaved,
             cfg.window,
-            store=None if cfg.cache_dtype is None else lambda a: encode(a, cfg.params.cache_dtype),
+            store=None if cfg.cache_dtype is None else lambda a: encode(a, cfg.params),
         )
         return [as_numpy(o) for o in outputs], expected
 
@@ -446,32 +453,57 @@ def test_bf16_gqa_prefill_then_decode(
 # same way); Q, the weights and the arithmetic stay float32, so what is left is
 # float32 error and, rarely, a K that float32 and float64 round to neighbouring
 # bf16/f16 values (one unit in the last place: 2**-8 / 2**-11 relative).
-# int8: a value float32 and float64 put on either side of a rounding boundary is
-# one quantization step apart (max|row| / 127).
-CACHE_ATOL = {DType.bfloat16: 2e-2, DType.float16: 3e-3, DType.int8: 3e-2}
+# Quantized: a value float32 and float64 put on either side of a rounding
+# boundary is one quantization step apart (int8: max|row| / 127; float8: an
+# eighth of the value; int4: max|group| / 8).
+CACHE_ATOL = {"bfloat16": 2e-2, "float16": 3e-3, "int8": 3e-2, "float8_e4m3fn": 5e-2, "int4": 5e-2}
+
+
+def quantization_step(expected: np.ndarray, params: KVCacheParams) -> np.ndarray:
+    """Per value of head rows ``expected``, the most its stored value may differ:
+    one step of the encoding (1% over, for the scale's float16 rounding)."""
+    magnitude = np.abs(expected)
+    if params.encoding == "int8":
+        step = magnitude.max(axis=-1, keepdims=True) / 127
+    elif params.encoding == "float8_e4m3fn":  # an eighth of the value; subnormals 2^-9 x scale
+        step = np.maximum(magnitude / 8, magnitude.max(axis=-1, keepdims=True) / 448 * 2.0**-9)
+    elif params.encoding == "int4":
+        groups = magnitude.reshape(*magnitude.shape[:-1], -1, 32)
+        step = np.repeat(groups.max(axis=-1) / 8, 32, axis=-1)
+    else:  # bfloat16, float16: one unit in the last place, at most 2^-7 of the value
+        step = magnitude * 2**-7
+    bound: np.ndarray = step * 1.01 + 1e-6
+    return bound
 
 
 @pytest.mark.parametrize(
     "config",
-    [GQA_F32_CACHE_BF16, MHA_F32_STORE_ROPE_CACHE_F16, GQA_F32_CACHE_INT8],
-    ids=["bf16-gqa", "f16-mha", "int8-gqa"],
+    [
+        GQA_F32_CACHE_BF16,
+        MHA_F32_STORE_ROPE_CACHE_F16,
+        GQA_F32_CACHE_INT8,
+        GQA_F32_CACHE_FLOAT8,
+        GQA_F32_CACHE_INT4,
+    ],
+    ids=["bf16-gqa", "f16-mha", "int8-gqa", "float8-gqa", "int4-gqa"],
 )
 def test_float32_model_over_a_narrower_cache(
     layer_model: Callable[[AttentionConfig], Model],
     session: InferenceSession,
     config: AttentionConfig,
 ) -> None:
-    """A float32 model with a bfloat16 or float16 cache: the cache holds K and V
-    rounded to its encoding, and prefill, decode and mixed steps (causal, no mask
-    and, for bf16, a sliding window shorter than the prompt) attend over exactly
-    those values."""
+    """A float32 model over a bfloat16, float16, int8, float8 or int4 cache: the
+    cache holds K and V rounded to its encoding (quantized ones as
+    :func:`tests.reference.encode_rows` encodes them), and prefill, decode and
+    mixed steps (causal, no mask and, where the config has one, a sliding window)
+    attend over exactly those values."""
     assert config.cache_dtype is not None
     harness = LayerHarness(config, layer_model(config), session, seed=6)
     manager = harness.manager
     manager.claim(4)
     seqs = [2, 0, 3]
-    assert manager.fetch(seqs)[0][0].dtype == config.cache_dtype
-    atol = CACHE_ATOL[config.cache_dtype]
+    assert manager.fetch(seqs)[0][0].dtype == config.params.cache_dtype
+    atol = CACHE_ATOL[config.params.encoding]
     worst = 0.0
     prompt = 150 if config.window else 13  # past the window
     for new_tokens in ([prompt, 5, 1], [1, 1, 1], [1, 4, 2]):
@@ -487,12 +519,9 @@ def test_float32_model_over_a_narrower_cache(
     for (seq, layer), keys in harness.reference.k.items():
         n = keys.shape[0]
         for kv, expected in ((0, keys), (1, harness.reference.v[(seq, layer)])):
-            if config.cache_dtype == DType.int8:  # one step: max|row| / 127
-                bound = np.abs(expected).max(axis=-1, keepdims=True) * 1.01 / 127 + 1e-6
-            else:
-                bound = np.abs(expected) * 2**-7 + 1e-6
+            bound = quantization_step(expected, config.params)
             assert (np.abs(blocks[seq, kv, layer, :n] - expected) <= bound).all()
-    print(f"{config.cache_dtype.name} cache: worst abs error vs float64 reference {worst:.3g}")
+    print(f"{config.params.encoding} cache: worst abs error vs float64 reference {worst:.3g}")
 
 
 # ------------------------------------------------------------- kernel guards

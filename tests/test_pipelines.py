@@ -324,13 +324,13 @@ def test_max_generate_matches_transformers(
 
 
 @pytest.mark.serve
-def test_max_generate_kv_cache_format_int8_plans_real_bytes(tiny_llama_dir: Path) -> None:
-    """``--kv-cache-format int8`` (maxkv's own encoding): the startup line names it,
-    and the same memory plan holds ``4 x head_dim / (head_dim + 2)`` times the
-    pages of float32 KV (a float16 scale per row: 3.56x at this model's head_dim
-    of 16, 3.88x at 64)."""
+def test_max_generate_kv_cache_format_quantized_plans_real_bytes(tiny_llama_dir: Path) -> None:
+    """``--kv-cache-format int8`` (maxkv's own encoding) and ``float8_e4m3fn``
+    (MAX's): the startup line names the encoding, and the same memory plan holds
+    ``4 x head_dim / (head_dim + 2)`` times the pages of float32 KV (a float16
+    scale per row: 3.56x at this model's head_dim of 16, 3.88x at 64)."""
     pages = {}
-    for encoding in ("float32", "int8"):
+    for encoding in ("float32", "int8", "float8_e4m3fn"):
         result = _generate_with_format(tiny_llama_dir, encoding)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         log = result.stdout + result.stderr
@@ -341,15 +341,18 @@ def test_max_generate_kv_cache_format_int8_plans_real_bytes(tiny_llama_dir: Path
         assert "Output size: " in result.stdout
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    assert pages["int8"] >= pages["float32"] * 4 * head_dim // (head_dim + 2), pages
+    for encoding in ("int8", "float8_e4m3fn"):
+        assert pages[encoding] >= pages["float32"] * 4 * head_dim // (head_dim + 2), pages
 
 
 @pytest.mark.serve
 @pytest.mark.parametrize(
     ("encoding", "message"),
     [
-        ("float8_e4m3fn", "--kv-cache-format float8_e4m3fn: the KV cache encoding "),
+        ("float4_e2m1fn", "--kv-cache-format float4_e2m1fn: the KV cache encoding "),
         ("int3", "int3"),
+        # A scale per 32 values: this model's heads are 16 wide.
+        ("int4", "--kv-cache-format int4: an int4 cache keeps a scale per 32 values"),
     ],
 )
 def test_max_generate_refuses_a_kv_cache_format_maxkv_lacks(

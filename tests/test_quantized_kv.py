@@ -3,7 +3,8 @@ and the device copies (fork, copy-on-write) over encoded rows.
 
 ``write_kv_ragged`` (CacheBlend's store) encodes float32 keys and values on the
 way in; what a cache of each encoding holds afterwards must be exactly what
-:func:`tests.reference.quantize_int8` (int8) or NumPy's own rounding (float16,
+:func:`tests.reference.encode_rows` (int8, float8 through torch's conversion,
+int4), written from the definitions, or NumPy's own rounding (float16,
 bfloat16: nearest, ties to even) makes of the same float32 values, ties included.
 Attention over encoded caches: ``test_attention.test_float32_model_over_a_narrower_cache``.
 """
@@ -22,28 +23,34 @@ from max.graph import DeviceRef, Graph, TensorType
 import maxkv
 from maxkv import KVCacheParams, PagedKVCacheManager
 
-from .reference import int8_rows, quantize_int8
+from .reference import (
+    QUANTIZED_ENCODINGS,
+    decode_rows,
+    encode_rows,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.compile
 
-HEADS, HEAD_DIM, LAYERS, PAGE = 2, 16, 2, 4
+HEADS, HEAD_DIM, LAYERS, PAGE = 2, 32, 2, 4  # int4: one group of 32 values a head
 WIDTH = HEADS * HEAD_DIM
 
 
-def params(encoding: DType) -> KVCacheParams:
-    return KVCacheParams(DType.float32, HEADS, HEAD_DIM, cache_dtype=encoding)
+def params(encoding: str) -> KVCacheParams:
+    return KVCacheParams(DType.float32, HEADS, HEAD_DIM, cache_dtype=encoding)  # type: ignore[arg-type]
 
 
-def manager(encoding: DType, session: InferenceSession) -> PagedKVCacheManager:
+def manager(encoding: str, session: InferenceSession) -> PagedKVCacheManager:
     return PagedKVCacheManager(params(encoding), PAGE, 16, 4, 32, LAYERS, [CPU()], session)
 
 
-_models: dict[DType, Model] = {}
+_models: dict[str, Model] = {}
 
 
 def write_model(m: PagedKVCacheManager, kernels: Path) -> Model:
     """keys, values -> ``write_kv_ragged`` into every layer (layer l gets keys + l)."""
-    encoding = m.params.cache_dtype
+    encoding = m.params.encoding
     if encoding not in _models:
         ref = DeviceRef.CPU()
         types = [
@@ -52,7 +59,7 @@ def write_model(m: PagedKVCacheManager, kernels: Path) -> Model:
             TensorType(DType.float32, ["tokens", WIDTH], ref),
             TensorType(DType.uint32, ["offsets"], ref),
         ]
-        with Graph(f"write_{encoding.name}", input_types=types, custom_extensions=[kernels]) as g:
+        with Graph(f"write_{encoding}", input_types=types, custom_extensions=[kernels]) as g:
             *cache, keys, values, offsets = (v.tensor for v in g.inputs)
             kv = m.collection_fetcher()(*cache)
             for layer in range(LAYERS):
@@ -62,40 +69,58 @@ def write_model(m: PagedKVCacheManager, kernels: Path) -> Model:
     return _models[encoding]
 
 
-def expected_rows(values: np.ndarray, encoding: DType) -> np.ndarray:
-    """What a cache of ``encoding`` stores of float32 ``values`` ``[..., HEAD_DIM]``."""
+def expected_rows(values: np.ndarray, encoding: str) -> np.ndarray:
+    """What a cache of ``encoding`` stores of float32 ``values`` ``[..., HEAD_DIM]``
+    (quantized: bytes; bfloat16: bits)."""
     values = values.astype(np.float32)
-    if encoding == DType.int8:
-        return int8_rows(*quantize_int8(values))
-    if encoding == DType.bfloat16:
+    if encoding in QUANTIZED_ENCODINGS:
+        return encode_rows(values, encoding)
+    if encoding == "bfloat16":
         bits = values.view(np.uint32).astype(np.uint64)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return values.astype(np.float16)
 
 
 def stored(m: PagedKVCacheManager, seq: int, n: int) -> np.ndarray:
-    """``[n, 2, layers, heads, head_width]`` rows of ``seq`` as stored (bfloat16: bits)."""
+    """``[n, 2, layers, heads, head_width]`` rows of ``seq`` as stored (quantized:
+    bytes; bfloat16: bits)."""
     buffer = m.fetch([seq])[0][0]
     if buffer.dtype == DType.bfloat16:
         buffer = buffer.view(DType.uint16)
     pages = buffer.to_numpy()
+    if m.params.quantized:
+        pages = np.ascontiguousarray(pages).view(np.uint8)
     return np.stack([pages[m.pages(seq)[t // PAGE], :, :, t % PAGE] for t in range(n)])
 
 
 def rows_with_ties(rng: np.random.Generator, tokens: int) -> np.ndarray:
-    """Random rows, plus rows whose values sit exactly halfway between two int8
-    steps (scale 0.125: max 15.875 = 127 x 0.125, values k x 0.0625 with k odd),
-    and an all-zero row."""
+    """Random rows, an all-zero row, and rows whose values sit exactly halfway
+    between two steps of an encoding:
+
+    - row 1, int8: scale 0.125 (max 15.875 = 127 x 0.125), values k x 0.0625, k odd;
+    - row 3, int4: scale -0.5 (the largest magnitude 4 = -8 x -0.5), values
+      k x 0.25, k odd;
+    - row 4, float8: scale 0.125 (max 56 = 448 x 0.125), values halfway between
+      two float8 E4M3 numbers (normal and subnormal) times 0.125.
+    """
     rows = rng.standard_normal((tokens, HEADS, HEAD_DIM)).astype(np.float32) * 3
-    rows[1] = (np.arange(HEADS * HEAD_DIM).reshape(HEADS, HEAD_DIM) % 9 * 2 - 7) * 0.0625
+    index = np.arange(HEADS * HEAD_DIM).reshape(HEADS, HEAD_DIM)
+    rows[1] = (index % 9 * 2 - 7) * 0.0625
     rows[1, :, 0] = 15.875
     rows[2] = 0
+    rows[3] = (index % 15 * 2 - 15) * 0.25
+    rows[3, :, 0] = 4
+    mantissa = 1 + (2 * (index % 8) + 1) / 16  # halfway between two of [1, 2)'s steps
+    exponent = index % 13 - 6  # 2^-6 .. 2^6: E4M3's normal range
+    halfway = np.where(index % 5 == 0, (index % 8 * 2 + 1) * 2.0**-10, mantissa * 2.0**exponent)
+    rows[4] = np.where(index % 2 == 0, halfway, -halfway) * 0.125
+    rows[4, :, 0] = 56
     return rows
 
 
-@pytest.mark.parametrize("encoding", [DType.int8, DType.bfloat16, DType.float16])
+@pytest.mark.parametrize("encoding", [*QUANTIZED_ENCODINGS, "bfloat16", "float16"])
 def test_writes_encode_exactly_as_numpy(
-    encoding: DType, session: InferenceSession, kernels: Path
+    encoding: str, session: InferenceSession, kernels: Path
 ) -> None:
     m = manager(encoding, session)
     model = write_model(m, kernels)
@@ -114,16 +139,24 @@ def test_writes_encode_exactly_as_numpy(
     for layer in range(LAYERS):
         np.testing.assert_array_equal(got[:, 0, layer], expected_rows(keys + layer, encoding))
         np.testing.assert_array_equal(got[:, 1, layer], expected_rows(values, encoding))
-    if encoding == DType.int8:
+    if encoding == "int8":
         q, scale = quantize_int8(keys[1])
         assert scale[0] == np.float16(0.125) and (q[0, 1:] % 2 == 0).all()  # ties went to even
-        assert not got[2, 0, 0].any()  # the zero row (keys, layer 0): q 0, scale 0
+    if encoding == "int4":
+        q, scale = quantize_int4(keys[3])
+        assert scale[0, 0] == np.float16(-0.5)
+        assert ((q[0, 1:] % 2 == 0) | (q[0, 1:] == 7)).all()  # ties to even (8 clamped to 7)
+    if encoding in QUANTIZED_ENCODINGS:  # the zero row: scale 0 (int4: -0), q 0
+        assert not decode_rows(got[2, 0, 0], encoding).any()
 
 
-def test_fork_copies_int8_rows_with_their_scales(session: InferenceSession, kernels: Path) -> None:
+@pytest.mark.parametrize("encoding", QUANTIZED_ENCODINGS)
+def test_fork_copies_quantized_rows_with_their_scales(
+    encoding: str, session: InferenceSession, kernels: Path
+) -> None:
     """A fork mid-page copies the parent's partial page (``copy_tokens``) row for row,
     scales included; then each sequence writes its own next token."""
-    m = manager(DType.int8, session)
+    m = manager(encoding, session)
     model = write_model(m, kernels)
     rng = np.random.default_rng(4)
     (parent,) = m.claim(1)
@@ -143,7 +176,7 @@ def test_fork_copies_int8_rows_with_their_scales(session: InferenceSession, kern
         m.step({seq: 1})
         got = stored(m, seq, 11)
         np.testing.assert_array_equal(
-            got[10, 1, 0], expected_rows(row.reshape(HEADS, HEAD_DIM), DType.int8)
+            got[10, 1, 0], expected_rows(row.reshape(HEADS, HEAD_DIM), encoding)
         )
     assert not np.array_equal(stored(m, parent, 11)[10], stored(m, child, 11)[10])
     np.testing.assert_array_equal(stored(m, parent, 10), stored(m, child, 10))

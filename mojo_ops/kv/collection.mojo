@@ -56,7 +56,7 @@ struct ContinuousBatchingKVCacheCollection[
     ]
     comptime View = Self.MaxCollection
     comptime head_width = HeadCodec[Self.dtype, Self.head_dim].width
-    """Storage elements per head row (`head_dim`, plus an int8 row's scale)."""
+    """Storage elements per head row (`HeadCodec.width`: quantized rows carry scales)."""
 
     var blocks: UnsafePointer[Scalar[Self.dtype], MutUntrackedOrigin]
     var cache_lengths: UnsafePointer[UInt32, MutUntrackedOrigin]

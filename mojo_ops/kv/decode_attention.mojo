@@ -221,7 +221,7 @@ def cpu_attention[
                 for h in range(kv_heads):
                     var k = k_row.unsafe_offset(h * Codec.width)
                     var k_scale = Codec.scale(k)
-                    var key = Codec.load[head_dim](k, 0)
+                    var key = Codec.load(k)
                     for tq in range(nq):
                         var sees = (seen >> tq) & 1 == 1
                         for g in range(group):
@@ -268,7 +268,7 @@ def cpu_attention[
                 var v_row = kv.row_ptr(1, layer, b, t + j)
                 for h in range(kv_heads):
                     var v = v_row.unsafe_offset(h * Codec.width)
-                    var value = Codec.load[head_dim](v, 0)
+                    var value = Codec.load(v)
                     var v_scale = Codec.scale(v)
                     for tq in range(nq):
                         for g in range(group):

@@ -28,5 +28,5 @@ class CacheFullError(ValueError):
 
 
 class UnsupportedEncodingError(ValueError):
-    """A KV cache encoding maxkv knows by name but does not implement (``int8``,
-    ``float8_e4m3fn``, ...); the message names the ones it does."""
+    """A KV cache encoding maxkv knows by name but does not implement
+    (``float4_e2m1fn``, MAX's NVFP4); the message names the ones it does."""

@@ -244,7 +244,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if key_rotation is not None and params.cache_dtype not in (DType.float32, DType.float16):
             raise ValueError(
                 f"attention sinks rotate cached keys in NumPy, as values: keep the cache in "
-                f"float16 or float32, not {params.cache_dtype_name}"
+                f"float16 or float32, not {params.encoding}"
             )
         #: Which pages a sequence keeps (every page without a sliding window).
         self.window = PageWindow(sliding_window, page_size)
@@ -590,8 +590,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             kind="page",
             num_layers=self.num_layers,
             n_kv_heads=p.n_kv_heads,
-            head_dim=p.head_width,  # a stored head row (int8: with its scale)
-            dtype=p.cache_dtype_name,
+            head_dim=p.head_width,  # a stored head row (quantized: with its scales)
+            dtype=p.encoding,
             page_size=self.page_size,
             devices=p.n_devices,
         )

@@ -5,7 +5,8 @@ The compute dtype (``dtype``) is what the model's Q, K and V are in when they
 reach the cache ops; the cache's encoding (``cache_dtype``) is how keys and
 values are stored.  They may differ: a float32 model can keep its KV in
 bfloat16 or float16 (half the bytes), as MAX's ``--kv-cache-format`` does, or
-in int8 with a float16 scale per token and KV head (about a quarter).  The
+in int8 or float8 with a float16 scale per token and KV head (about a
+quarter), or in int4 with a float16 scale per 32 values (about an eighth).  The
 store ops encode on write (rounding to nearest even), the attention kernels
 decode in their inner loop; no decoded copy of the cache is ever made.
 :attr:`KVCacheParams.head_width` and :meth:`KVCacheParams.token_bytes` are the
@@ -32,19 +33,38 @@ CACHE_ENCODINGS: dict[str, str | None] = {
     "float32": None,
     "bfloat16": None,
     "float16": None,
-    "float8_e4m3fn": "float8 KV (with a scale per token and head) is not implemented yet",
+    "float8_e4m3fn": None,
     "int8": None,
-    "int4": "4-bit KV is not implemented yet",
+    "int4": None,
     "float4_e2m1fn": "NVFP4 KV is a GPU format MAX implements for its own cache only",
+    "float4_e2m1": "NVFP4 KV is a GPU format MAX implements for its own cache only",
 }
 
+#: The storage dtype of each implemented encoding: the buffers' element type,
+#: which is how the Mojo ops tell encodings apart.  MAX graphs take no float8
+#: tensor on a CPU, so float8 rows are kept as ``uint8`` (their bytes), and
+#: int4 rows as ``uint16`` (four values an element).
+_STORAGE: dict[str, DType] = {
+    "float32": DType.float32,
+    "bfloat16": DType.bfloat16,
+    "float16": DType.float16,
+    "float8_e4m3fn": DType.uint8,
+    "int8": DType.int8,
+    "int4": DType.uint16,
+}
+_ENCODING_OF: dict[DType, str] = {dtype: name for name, dtype in _STORAGE.items()}
 
-#: The cache encodings maxkv implements, as their storage dtypes: the float
-#: dtypes, and ``int8`` (a head row's values, then its float16 scale).
-CACHE_DTYPES: tuple[DType, ...] = (*SUPPORTED_DTYPES, DType.int8)
+#: The cache encodings maxkv implements, as their storage dtypes.
+CACHE_DTYPES: tuple[DType, ...] = tuple(_STORAGE.values())
 
-#: Bytes of the float16 scale that ends an int8 head row (``mojo_ops/kv/encoding.mojo``).
-INT8_SCALE_BYTES = 2
+#: The quantized encodings: their head rows carry float16 scales.
+QUANTIZED_ENCODINGS: tuple[str, ...] = ("float8_e4m3fn", "int8", "int4")
+
+#: Bytes of one float16 scale in a quantized head row (``mojo_ops/kv/encoding.mojo``).
+SCALE_BYTES = 2
+
+#: Values that share one scale in an ``int4`` head row (llama.cpp's ``q4_0`` block).
+INT4_GROUP = 32
 
 
 def _require_positive_int(name: str, value: object) -> int:
@@ -57,22 +77,23 @@ def _require_positive_int(name: str, value: object) -> int:
 
 def cache_encoding(name: object) -> DType:
     """The storage dtype of the cache encoding ``name`` (``"bfloat16"``, a
-    ``DType``, or MAX's ``DType.bfloat16`` spelled as text).
+    ``DType``, or MAX's ``DType.bfloat16`` spelled as text).  ``float8_e4m3fn``
+    is stored as ``uint8`` and ``int4`` as ``uint16``, which also name them.
 
     Raises:
         UnsupportedEncodingError: For an encoding maxkv knows but does not
-            implement (``"int8"``, ``"float8_e4m3fn"``, ...): it says which are.
+            implement (``"float4_e2m1fn"``): it says which are.
         ValueError: For a name that is no cache encoding at all.
     """
     if isinstance(name, DType):
-        key = name.name
+        key = _ENCODING_OF.get(name, name.name)
     elif isinstance(name, str):
         key = name.strip().lower().removeprefix("dtype.")
     else:
         raise ArgumentTypeError(
             f"a cache encoding is a str or a max.dtype.DType, got {type(name).__name__}"
         )
-    implemented = ", ".join(d.name for d in CACHE_DTYPES)
+    implemented = ", ".join(_STORAGE)
     if key not in CACHE_ENCODINGS:
         raise ValueError(f"{name!r} is not a KV cache encoding; maxkv implements {implemented}")
     reason = CACHE_ENCODINGS[key]
@@ -80,7 +101,7 @@ def cache_encoding(name: object) -> DType:
         raise UnsupportedEncodingError(
             f"the KV cache encoding {key} is refused: {reason}; maxkv implements {implemented}"
         )
-    return DType[key]
+    return _STORAGE[key]
 
 
 @dataclass(frozen=True)
@@ -130,6 +151,11 @@ class KVCacheParams:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} is not divisible by n_devices={self.n_devices}"
             )
+        if self.encoding == "int4" and self.head_dim % INT4_GROUP:
+            raise ValueError(
+                f"an int4 cache keeps a scale per {INT4_GROUP} values of a head: head_dim "
+                f"{self.head_dim} is not a multiple of {INT4_GROUP}"
+            )
 
     @property
     def n_kv_heads_per_device(self) -> int:
@@ -142,26 +168,37 @@ class KVCacheParams:
         return _MOJO_DTYPE_NAMES[self.dtype]
 
     @property
+    def encoding(self) -> str:
+        """The cache encoding's name (``cache_dtype`` is its storage dtype:
+        ``uint8`` for ``"float8_e4m3fn"``, ``uint16`` for ``"int4"``)."""
+        return _ENCODING_OF[self.cache_dtype]
+
+    @property
     def quantized(self) -> bool:
-        """Whether the cache encoding keeps a scale per token and KV head (int8)."""
-        return bool(self.cache_dtype == DType.int8)
+        """Whether the cache encoding keeps scales (:data:`QUANTIZED_ENCODINGS`)."""
+        return self.encoding in QUANTIZED_ENCODINGS
 
     @property
     def head_width(self) -> int:
-        """Storage elements of one cached head row: ``head_dim`` values, and for
-        int8 the :data:`INT8_SCALE_BYTES` of its float16 scale (the last dim of
-        every cache buffer)."""
-        return self.head_dim + (INT8_SCALE_BYTES if self.quantized else 0)
+        """Storage elements of one cached head row (the last dim of every cache
+        buffer): ``head_dim`` values; int8 and float8 add the
+        :data:`SCALE_BYTES` of the row's float16 scale; int4 packs two values a
+        byte and adds a float16 scale per :data:`INT4_GROUP` values, in uint16
+        elements (half the row's bytes)."""
+        if self.encoding == "int4":
+            row_bytes = self.head_dim // 2 + self.head_dim // INT4_GROUP * SCALE_BYTES
+            return row_bytes // int(self.cache_dtype.size_in_bytes)
+        return self.head_dim + (SCALE_BYTES if self.quantized else 0)
 
     @property
     def cache_dtype_name(self) -> str:
-        """The cache encoding as the Mojo ops spell it: the collection's ``dtype_name``."""
+        """The storage dtype as the Mojo ops spell it: the collection's ``dtype_name``."""
         return _MOJO_DTYPE_NAMES[self.cache_dtype]
 
     def token_bytes(self, num_layers: int) -> int:
         """Bytes one cached token takes on one device: keys and values of
         ``num_layers`` layers, ``n_kv_heads_per_device`` heads, in the cache
-        encoding (int8's scales included).  Every byte count of a cache
+        encoding (scales included).  Every byte count of a cache
         (slots, pages, budgets, tier blocks) is a multiple of it."""
         layers = _require_positive_int("num_layers", num_layers)
         element = int(self.cache_dtype.size_in_bytes)
@@ -173,4 +210,6 @@ _MOJO_DTYPE_NAMES: dict[DType, str] = {
     DType.bfloat16: "bfloat16",
     DType.float16: "float16",
     DType.int8: "int8",
+    DType.uint8: "uint8",
+    DType.uint16: "uint16",
 }

@@ -61,7 +61,7 @@ def _check_same_encoding(params: KVCacheParams, op: str, instead: str) -> None:
     if params.cache_dtype != params.dtype:
         raise ValueError(
             f"{op} runs MAX's kernel, which needs the cache in the model's dtype "
-            f"({params.dtype.name}); this cache keeps {params.cache_dtype.name}: {instead}"
+            f"({params.dtype.name}); this cache keeps {params.encoding}: {instead}"
         )
 
 
@@ -359,13 +359,13 @@ def flash_attention_ragged(
     if params.cache_dtype != params.dtype:
         if not device.is_cpu():
             raise ValueError(
-                f"attention over a {params.cache_dtype.name} cache from {params.dtype.name} "
+                f"attention over a {params.encoding} cache from {params.dtype.name} "
                 "queries runs on CPU (maxkv's kernel); on a GPU keep the cache in the "
                 "model's dtype"
             )
         if params.head_dim % ENCODED_HEAD_DIM_MULTIPLE:
             raise ValueError(
-                f"attention over a {params.cache_dtype.name} cache from {params.dtype.name} "
+                f"attention over a {params.encoding} cache from {params.dtype.name} "
                 f"queries needs head_dim a multiple of {ENCODED_HEAD_DIM_MULTIPLE}, got "
                 f"{params.head_dim}"
             )

@@ -198,7 +198,7 @@ def _check_cache_inputs(
     check_tensor("max_lengths", max_lengths, DType.uint32, 2)
     check_static_dim(storage_name, blocks, 1, 2, "the key/value axis")
     check_static_dim(storage_name, blocks, 4, params.n_kv_heads_per_device, "n_kv_heads_per_device")
-    row = "head_dim" if params.head_width == params.head_dim else "head_dim + an int8 row's scale"
+    row = f"a {params.encoding} head row" if params.quantized else "head_dim"
     check_static_dim(storage_name, blocks, 5, params.head_width, row)
     check_static_dim("max_lengths", max_lengths, 1, 2, "(max new tokens, max cache length)")
     check_host("max_lengths", max_lengths)

@@ -63,8 +63,10 @@ class BlockLayout:
         n_kv_heads: KV heads (all devices together; chunks: 0 takes any).
         head_dim: Size of one head (chunks: 0 takes any).
         dtype: The cache encoding of the payload (``"float32"``,
-            ``"float16"``, ``"bfloat16"``): blocks of another encoding are
-            refused.  NumPy holds bfloat16 as its bit patterns (uint16).
+            ``"bfloat16"``, ``"int8"``, ``"int4"``, ...): blocks of another
+            encoding are refused.  NumPy holds the payload in the cache's
+            storage dtype: bfloat16 as its bit patterns (uint16), float8 as
+            uint8, int4 as uint16.
         page_size: Tokens per block (pages); ``0`` for chunks.
         devices: Tensor-parallel shards a block holds (pages: one per device).
     """
@@ -87,7 +89,8 @@ class BlockLayout:
 
     @property
     def payload_dtype(self) -> np.dtype[Any]:
-        """The NumPy dtype of the payload's elements (bfloat16: its uint16 bit patterns)."""
+        """The NumPy dtype of the payload's elements (bfloat16: its uint16 bit
+        patterns; float8: uint8; int4: uint16)."""
         return np.dtype(_BIT_PATTERNS.get(self.dtype, self.dtype))
 
     @property
@@ -121,7 +124,8 @@ class BlockLayout:
 
 
 #: Cache encodings NumPy has no dtype for, held as their bit patterns.
-_BIT_PATTERNS = {"bfloat16": "uint16"}
+#: Encodings NumPy has no dtype for, held as their stored elements' bits.
+_BIT_PATTERNS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "int4": "uint16"}
 
 
 _KEY_ID = re.compile(r"[0-9a-f]{16}")

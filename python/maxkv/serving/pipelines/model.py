@@ -81,7 +81,7 @@ DEFAULT_ATTENTION_SINKS = 4
 #: until it ends, as maxkv did before it gave pages back (for comparisons).
 KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
 #: ``--kv-cache-format`` values maxkv implements and MAX 26.7's own cache does not.
-MAXKV_ONLY_FORMATS = ("int8", "float16")
+MAXKV_ONLY_FORMATS = ("int8", "int4", "float16")
 #: MAX 26.7's default ``--kv-cache-page-size``.
 MAX_DEFAULT_PAGE_SIZE = 128
 #: New tokens of one step a hybrid cache's sliding groups make room for, unless
@@ -563,7 +563,7 @@ def describe(manager: KVCacheManagerBase) -> str:
         )
         return (
             f"hybrid paged cache, pages of {manager.page_size} tokens: {groups} "
-            f"({manager.nbytes() / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV), "
+            f"({manager.nbytes() / 2**20:.1f} MiB, {manager.params.encoding} KV), "
             f"{prefix}"
         )
     if isinstance(manager, PagedKVCacheManager):
@@ -590,7 +590,7 @@ def describe(manager: KVCacheManagerBase) -> str:
         given_back = "" if window is None else f", pages before its {window}-token window freed"
         return (
             f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
-            f"({size / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV){given_back}, "
+            f"({size / 2**20:.1f} MiB, {manager.params.encoding} KV){given_back}, "
             f"{prefix}{where}"
         )
     assert isinstance(manager, ContinuousBatchingKVCacheManager)
@@ -603,7 +603,7 @@ def describe(manager: KVCacheManagerBase) -> str:
     )
     return (
         f"contiguous cache: {manager.max_cache_batch_size} slots x {manager.max_seq_len} tokens "
-        f"({size / 2**20:.1f} MiB, {manager.params.cache_dtype_name} KV), {prefix}"
+        f"({size / 2**20:.1f} MiB, {manager.params.encoding} KV), {prefix}"
     )
 
 
