@@ -132,10 +132,37 @@ class ReferenceLayerCache:
 
 
 #: The quantized cache encodings, as maxkv's ``mojo_ops/kv/encoding.mojo``
-#: documents them: ``int8`` and ``float8_e4m3fn`` rows end with a float16
-#: scale per row; ``int4`` keeps a float16 scale per group of 32 values.
+#: documents them: a head row is rotated (:func:`rotate`), then quantized;
+#: ``int8`` and ``float8_e4m3fn`` rows end with a float16 scale per row,
+#: ``int4`` keeps a float16 scale per group of 32 values.
 QUANTIZED_ENCODINGS = ("int8", "float8_e4m3fn", "int4")
 INT4_GROUP = 32
+
+
+def rotation_block(head_dim: int) -> int:
+    """Values per Walsh-Hadamard block: the largest power of two dividing ``head_dim``."""
+    return head_dim & -head_dim
+
+
+def rotate(x: np.ndarray) -> np.ndarray:
+    """``H x`` over the last axis, in ``x``'s dtype: the unnormalized Walsh-Hadamard
+    transform (Sylvester order, ``H H = n I``) of each block of
+    :func:`rotation_block` values, by ``log2(n)`` stages of ``(a, b) = (even,
+    odd) values; x = (a + b, a - b)`` (the same additions, in the same order,
+    as maxkv's kernels)."""
+    block = rotation_block(x.shape[-1])
+    v = x.reshape(*x.shape[:-1], -1, block)
+    for _ in range(block.bit_length() - 1):
+        a, b = v[..., 0::2], v[..., 1::2]
+        v = np.concatenate([a + b, a - b], axis=-1)
+    rotated: np.ndarray = v.reshape(x.shape)
+    return rotated
+
+
+def unrotate(x: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`rotate`, ``H x / n``, in float64."""
+    back: np.ndarray = rotate(np.asarray(x, dtype=np.float64)) / rotation_block(x.shape[-1])
+    return back
 
 
 def _half_bytes(scale: np.ndarray) -> np.ndarray:
@@ -195,9 +222,11 @@ def quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def encode_rows(x: np.ndarray, encoding: str) -> np.ndarray:
     """The stored bytes (uint8 ``[..., row bytes]``) of head rows ``x``
-    ``[..., head_dim]`` in a quantized ``encoding``: int8 and float8 values
-    then the row's float16 scale; int4 values ``q + 8`` as nibbles (byte ``i``:
-    ``q[i]`` low, ``q[i + head_dim / 2]`` high) then the groups' scales."""
+    ``[..., head_dim]`` in a quantized ``encoding``: the rows are rotated in
+    float32 (:func:`rotate`), then quantized; int8 and float8 values then the
+    row's float16 scale; int4 values ``q + 8`` as nibbles (byte ``i``: ``q[i]``
+    low, ``q[i + head_dim / 2]`` high) then the groups' scales."""
+    x = rotate(np.asarray(x, dtype=np.float32))
     if encoding == "int4":
         q, scale = quantize_int4(x)
         n = (q.astype(np.int16) + 8).astype(np.uint8)
@@ -212,7 +241,7 @@ def encode_rows(x: np.ndarray, encoding: str) -> np.ndarray:
 
 def decode_rows(rows: np.ndarray, encoding: str) -> np.ndarray:
     """float64 values of stored head rows (:func:`encode_rows`'s layout; as bytes
-    or in any storage dtype, whose bytes are read)."""
+    or in any storage dtype, whose bytes are read), rotated back."""
     rows = np.ascontiguousarray(rows).view(np.uint8)
     if encoding == "int4":
         head_dim = rows.shape[-1] * 16 // 9  # head_dim / 2 + 2 * head_dim / 32 bytes
@@ -221,8 +250,7 @@ def decode_rows(rows: np.ndarray, encoding: str) -> np.ndarray:
         values = q.astype(np.float64) - 8
         scale = _halves(rows[..., half:])
         groups = values.reshape(*values.shape[:-1], -1, INT4_GROUP) * scale[..., None]
-        decoded: np.ndarray = groups.reshape(values.shape)
-        return decoded
+        return unrotate(groups.reshape(values.shape))
     scale = _halves(rows[..., -2:])[..., 0]
     if encoding == "int8":
         values = rows[..., :-2].view(np.int8).astype(np.float64)
@@ -231,5 +259,4 @@ def decode_rows(rows: np.ndarray, encoding: str) -> np.ndarray:
 
         bits = torch.from_numpy(np.ascontiguousarray(rows[..., :-2]))
         values = bits.view(torch.float8_e4m3fn).to(torch.float64).numpy()
-    decoded = values * scale[..., None]
-    return decoded
+    return unrotate(values * scale[..., None])

@@ -29,6 +29,7 @@ from .reference import (
     encode_rows,
     quantize_int4,
     quantize_int8,
+    rotate,
 )
 
 pytestmark = pytest.mark.compile
@@ -94,27 +95,36 @@ def stored(m: PagedKVCacheManager, seq: int, n: int) -> np.ndarray:
 
 
 def rows_with_ties(rng: np.random.Generator, tokens: int) -> np.ndarray:
-    """Random rows, an all-zero row, and rows whose values sit exactly halfway
-    between two steps of an encoding:
+    """Random rows, an all-zero row, and rows whose values, once rotated
+    (:func:`tests.reference.rotate`: a quantized encoding quantizes ``H x``), sit
+    exactly halfway between two steps of an encoding:
 
     - row 1, int8: scale 0.125 (max 15.875 = 127 x 0.125), values k x 0.0625, k odd;
     - row 3, int4: scale -0.5 (the largest magnitude 4 = -8 x -0.5), values
       k x 0.25, k odd;
     - row 4, float8: scale 0.125 (max 56 = 448 x 0.125), values halfway between
       two float8 E4M3 numbers (normal and subnormal) times 0.125.
+
+    Such a row is stored as ``H t / n`` for the halfway values ``t``: every sum
+    of these short binary fractions is exact in float32, so ``H`` of it is ``t``
+    again, bit for bit.
     """
     rows = rng.standard_normal((tokens, HEADS, HEAD_DIM)).astype(np.float32) * 3
     index = np.arange(HEADS * HEAD_DIM).reshape(HEADS, HEAD_DIM)
-    rows[1] = (index % 9 * 2 - 7) * 0.0625
-    rows[1, :, 0] = 15.875
-    rows[2] = 0
-    rows[3] = (index % 15 * 2 - 15) * 0.25
-    rows[3, :, 0] = 4
+    halfway = np.zeros((5, HEADS, HEAD_DIM), np.float32)
+    halfway[1] = (index % 9 * 2 - 7) * 0.0625
+    halfway[1, :, 0] = 15.875
+    halfway[3] = (index % 15 * 2 - 15) * 0.25
+    halfway[3, :, 0] = 4
     mantissa = 1 + (2 * (index % 8) + 1) / 16  # halfway between two of [1, 2)'s steps
-    exponent = index % 13 - 6  # 2^-6 .. 2^6: E4M3's normal range
-    halfway = np.where(index % 5 == 0, (index % 8 * 2 + 1) * 2.0**-10, mantissa * 2.0**exponent)
-    rows[4] = np.where(index % 2 == 0, halfway, -halfway) * 0.125
-    rows[4, :, 0] = 56
+    exponent = index % 5 - 2  # 2^-2 .. 2^2: a sum of 32 stays exact
+    between = np.where(index % 5 == 0, (index % 8 * 2 + 1) * 2.0**-10, mantissa * 2.0**exponent)
+    halfway[4] = np.where(index % 2 == 0, between, -between) * 0.125
+    halfway[4, :, 0] = 56
+    for row in (1, 3, 4):
+        rows[row] = rotate(halfway[row]) / HEAD_DIM
+        assert np.array_equal(rotate(rows[row]), halfway[row])  # exact both ways
+    rows[2] = 0
     return rows
 
 
@@ -140,10 +150,10 @@ def test_writes_encode_exactly_as_numpy(
         np.testing.assert_array_equal(got[:, 0, layer], expected_rows(keys + layer, encoding))
         np.testing.assert_array_equal(got[:, 1, layer], expected_rows(values, encoding))
     if encoding == "int8":
-        q, scale = quantize_int8(keys[1])
+        q, scale = quantize_int8(rotate(keys[1]))
         assert scale[0] == np.float16(0.125) and (q[0, 1:] % 2 == 0).all()  # ties went to even
     if encoding == "int4":
-        q, scale = quantize_int4(keys[3])
+        q, scale = quantize_int4(rotate(keys[3]))
         assert scale[0, 0] == np.float16(-0.5)
         assert ((q[0, 1:] % 2 == 0) | (q[0, 1:] == 7)).all()  # ties to even (8 clamped to 7)
     if encoding in QUANTIZED_ENCODINGS:  # the zero row: scale 0 (int4: -0), q 0

@@ -24,7 +24,9 @@ split.  An item reads `BLOCK` K rows, then the same V rows, SIMD over
 `head_dim`, for all the query rows (its tokens x the `group` query heads
 that share a KV head) at once, so each K/V row is read from memory once per
 item and converted from the cache's encoding to float32 in the inner loop
-(no converted copy of the cache is made); an online softmax (running max
+(no converted copy of the cache is made; a quantized encoding's rows are
+stored rotated, so each query row is rotated before and each output row
+after: `HeadCodec.rotate`); an online softmax (running max
 `m`, running sum `l`, rescaled accumulator) keeps the state.  Decode
 contexts are cut into splits of `max(MIN_SPLIT, total tokens / (4 x
 workers))` tokens, so one long sequence still keeps every worker busy; a
@@ -118,6 +120,7 @@ def cpu_attention[
     `cpu_attention_applies` was true.
     """
     comptime Codec = HeadCodec[C.View.dtype, head_dim]
+    comptime unrotate = Float32(1) / Float32(Codec.rotation_block)  # H H = rotation_block x I
     var batch = kv.batch()
     var q_heads = q.dim_size(1)
     var group = q_heads // kv_heads
@@ -206,6 +209,9 @@ def cpu_attention[
                 acc.unsafe_store(at, SIMD[DType.float32, W](0))
             m[unsafe_offset=r] = NEG
             l[unsafe_offset=r] = 0
+            comptime if Codec.rotated:  # keys are stored rotated: q . k = (H q) . (H k) / n
+                var row = qbuf.unsafe_load[width=head_dim](r * head_dim)
+                qbuf.unsafe_store(r * head_dim, Codec.rotate(row) * unrotate)
         var t = start
         while t < end:
             var n = min(BLOCK, end - t)
@@ -282,6 +288,10 @@ def cpu_attention[
                                     0, p.fma(value.slice[W, offset=d](), a.unsafe_load[width=W](0))
                                 )
             t += n
+        comptime if Codec.rotated:  # so are values: sum p v = H (sum p H v) / n
+            for r in range(rows):
+                var row = acc.unsafe_load[width=head_dim](r * head_dim)
+                acc.unsafe_store(r * head_dim, Codec.rotate(row) * unrotate)
         if n_items == 1 or not decode:
             var dst = op.unsafe_offset((row0[unsafe_offset=b] + t0) * q_heads * head_dim)
             for r in range(rows):

@@ -23,6 +23,17 @@ head_dim]`, so no kernel is written per encoding:
   `q[i] + 8` in its low nibble and `q[i + head_dim / 2] + 8` in its high one;
   the groups' scales follow (`head_dim / 2 + 2 * head_dim / 32` bytes a row).
 
+The quantized encodings quantize a head row after rotating it (QuaRot's
+remedy for outlier channels: a few large channels would set a row's scale and
+leave the others a handful of levels): `store` encodes `H x`, `H` the
+Walsh-Hadamard transform (unnormalized, Sylvester order: `H H = n I`) of each
+block of `rotation_block` values (the largest power of two dividing
+`head_dim`), computed in float32 by `log2(n)` constant-geometry stages
+`(a, b) = x.deinterleave(); x = (a + b).join(a - b)`.  Attention undoes it
+exactly: `q . k = (H q) . (H k) / n` and `sum p v = H (sum p H v) / n`, so
+the kernel rotates each query row once and each output row once (`rotate`),
+never a key or value.
+
 `HeadCodec.width` is a row's storage elements (int4: half its bytes); `maxkv.cache.params` computes
 the same byte sizes.  Kernels keep their math in float32: `load` gives a row's
 values as float32 up to the factor `scale` (1 for the float encodings and int4,
@@ -30,6 +41,7 @@ whose group scales `load` applies), so a dot product is scaled once, after its
 sum.
 """
 
+from std.bit import count_trailing_zeros
 from std.memory import bitcast
 
 
@@ -61,6 +73,10 @@ struct HeadCodec[dtype: DType, head_dim: Int]:
     comptime row_scaled = Self.int8 or Self.float8
     """One float16 scale after the row's values."""
     comptime quantized = Self.row_scaled or Self.int4
+    comptime rotated = Self.quantized
+    """Rows are rotated (`rotate`) before they are quantized."""
+    comptime rotation_block = Self.head_dim & -Self.head_dim
+    """Values per Walsh-Hadamard block: the largest power of two dividing `head_dim`."""
     comptime groups = Self.head_dim // INT4_GROUP
     comptime width = (
         Self.head_dim + SCALE_BYTES if Self.row_scaled else (
@@ -93,7 +109,8 @@ struct HeadCodec[dtype: DType, head_dim: Int]:
             comptime half = Self.head_dim // 2
             var bytes = row.unsafe_bitcast[UInt8]()
             var b = bytes.unsafe_load[width=half](0)
-            var q = rebind[Self.Row]((b & 0xF).cast[DType.float32]().join((b >> 4).cast[DType.float32]()))
+            var low = (b & 0xF).cast[DType.float32]()
+            var q = rebind[Self.Row](low.join((b >> 4).cast[DType.float32]()))
             var s = Self.Row(0)
             comptime for g in range(Self.groups):
                 s = s.insert[offset=g * INT4_GROUP](
@@ -103,7 +120,8 @@ struct HeadCodec[dtype: DType, head_dim: Int]:
         elif Self.float8:
             # E4M3 bits into a float16's: the same value over 2^8 (exponent
             # bias 7 against 15), subnormals included; `scale` has the 256.
-            var b = row.unsafe_bitcast[UInt8]().unsafe_load[width=Self.head_dim](0).cast[DType.uint16]()
+            var bytes = row.unsafe_bitcast[UInt8]().unsafe_load[width=Self.head_dim](0)
+            var b = bytes.cast[DType.uint16]()
             var bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
             return bitcast[DType.float16](bits).cast[DType.float32]()
         else:
@@ -111,8 +129,26 @@ struct HeadCodec[dtype: DType, head_dim: Int]:
 
     @staticmethod
     @always_inline
-    def store(row: Self.Ptr, values: Self.Row):
-        """Encodes `values` into the row."""
+    def rotate(x: Self.Row) -> Self.Row:
+        """`H x`: the unnormalized Walsh-Hadamard transform of each block of
+        `rotation_block` values (`H H = rotation_block x I`)."""
+        comptime B = Self.rotation_block
+        var out = x
+        comptime for first in range(0, Self.head_dim, B):
+            var v = x.slice[B, offset=first]()
+            comptime for _ in range(count_trailing_zeros(B)):  # log2(B) stages
+                var pairs = v.deinterleave()
+                v = rebind[SIMD[DType.float32, B]]((pairs[0] + pairs[1]).join(pairs[0] - pairs[1]))
+            out = out.insert[offset=first](v)
+        return out
+
+    @staticmethod
+    @always_inline
+    def store(row: Self.Ptr, x: Self.Row):
+        """Encodes `x` into the row (quantized encodings: `rotate(x)`)."""
+        var values = x
+        comptime if Self.rotated:
+            values = Self.rotate(x)
         comptime if Self.int4:
             comptime half = Self.head_dim // 2
             var bytes = row.unsafe_bitcast[UInt8]()
