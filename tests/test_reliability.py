@@ -563,8 +563,6 @@ PREFIX_PAGE = 2
 PREFIX_PAGES = 12
 PREFIX_IDS = 4
 PREFIX_SEQ_LEN = 14
-#: One page of the machine's cache: [1 device, K/V, 1 layer, PREFIX_PAGE tokens, 1 head, 4].
-PREFIX_PAGE_BYTES = 2 * PREFIX_PAGE * 4 * 4
 SALTS = (None, "tenant-b")
 
 
@@ -650,10 +648,21 @@ class PagedPrefixMachine(RuleBasedStateMachine):
 
     #: The manager's sliding window (``None``: pages are kept until release).
     WINDOW: int | None = None
+    #: The cache's encoding and head size.
+    ENCODING = "float32"
+    HEAD_DIM = 4
 
     def __init__(self) -> None:
         super().__init__()
-        params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=4)
+        params = KVCacheParams(DType.float32, 1, self.HEAD_DIM, cache_dtype=self.ENCODING)  # type: ignore[arg-type]
+        #: What a stored element holds of a value (a quantized row's storage
+        #: is an integer: the value modulo its range).
+        self.stored = (
+            (lambda v: v % 2 ** (8 * int(params.cache_dtype.size_in_bytes)))
+            if params.quantized
+            else (lambda v: v)
+        )
+        page_bytes = PREFIX_PAGE * params.token_bytes(1)
         self.manager = PagedKVCacheManager(
             params,
             PREFIX_PAGE,
@@ -665,7 +674,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             None,
             enable_prefix_caching=True,
             cache_device=NumpyCacheDevice(),
-            tiers=TierConfig(model_id="machine", host_bytes=PREFIX_PAGES * PREFIX_PAGE_BYTES),
+            tiers=TierConfig(model_id="machine", host_bytes=PREFIX_PAGES * page_bytes),
             sliding_window=self.WINDOW,
         )
         self.model = PagedPrefixModel(self.WINDOW)
@@ -769,7 +778,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             for token in new_tokens[seq]:
                 tokens.append(token)
                 t = len(tokens) - 1
-                value = kv_value(tokens, self.model.salt[seq])
+                value = self.stored(kv_value(tokens, self.model.salt[seq]))
                 pages[table[row, t // PREFIX_PAGE], :, 0, t % PREFIX_PAGE] = value
             self.model.pending[seq] = self.model.pending[seq][len(new_tokens[seq]) :]
         m.step({s: len(t) for s, t in new_tokens.items()}, tokens=new_tokens)
@@ -914,7 +923,7 @@ class PagedPrefixMachine(RuleBasedStateMachine):
             # Every position a layer may still attend to reads back its own value.
             for t in range(self.model.first_visible(len(tokens)), len(tokens)):
                 read = pages[row[t // PREFIX_PAGE], 0, 0, t % PREFIX_PAGE, 0, 0]
-                assert read == kv_value(tokens[: t + 1], salt), (seq, t, tokens)
+                assert read == self.stored(kv_value(tokens[: t + 1], salt)), (seq, t, tokens)
         for page in range(PREFIX_PAGES):
             assert m.page_refcount(page) == holders.get(page, 0), f"page {page}"
         assert m.free_pages == PREFIX_PAGES - len(holders), "a page leaked"
@@ -946,6 +955,24 @@ class WindowedPrefixMachine(PagedPrefixMachine):
 
 WindowedPrefixMachine.TestCase.settings = PagedPrefixMachine.TestCase.settings
 TestWindowedPrefixStateMachine = WindowedPrefixMachine.TestCase
+
+
+class Int4PrefixMachine(PagedPrefixMachine):
+    """The same machine on an int4 cache (uint16 storage, a row of 32 values is
+    18 elements): page tables, copies, swaps and the host tier move whole
+    encoded rows, scales included."""
+
+    ENCODING = "int4"
+    HEAD_DIM = 32
+
+
+Int4PrefixMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestInt4PrefixStateMachine = Int4PrefixMachine.TestCase
 
 
 def test_eight_threads_share_one_manager() -> None:
