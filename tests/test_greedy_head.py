@@ -177,7 +177,7 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
             kvops.greedy_head(x, w, Weight("q2", DType.uint8, (4, _K, 64), device), info, _N)
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.greedy_head(x, w, Weight("q3", DType.int8, q.shape, device), info, _N)
-        with pytest.raises(ValueError, match="positive int"):
+        with pytest.raises(ValueError, match="must be >= 1"):
             kvops.greedy_head(x, w, q, info, 0)
 
 

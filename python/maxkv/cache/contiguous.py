@@ -27,13 +27,13 @@ import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
+from ..validation import require_int
 from .params import KVCacheParams
 from .prefix import PrefixIndex
 from .protocol import (
     CacheDevice,
     KVCacheManagerBase,
     device_inputs,
-    require_int,
     validate_sizes,
 )
 from .spec import CacheInputs, CacheSpec
@@ -136,6 +136,17 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         )
         tokens = max_cache_batch_size * max_seq_len
         return tokens * params.token_bytes(num_layers) * len(devices)
+
+    def describe(self) -> str:
+        """``contiguous cache: N slots x T tokens (M MiB, E KV), ...``."""
+        size = self.estimated_memory_size(
+            self.params, self.max_cache_batch_size, self.max_seq_len, self.num_layers, self.devices
+        )
+        prefix = "prefix caching on" if self.prefix_caching else "prefix caching off"
+        return (
+            f"contiguous cache: {self.max_cache_batch_size} slots x {self.max_seq_len} tokens "
+            f"({size / 2**20:.1f} MiB, {self.params.encoding} KV), {prefix}"
+        )
 
     @property
     def slots_remaining(self) -> int:

@@ -44,9 +44,10 @@ from max.driver import Device
 from max.engine import InferenceSession
 
 from ..errors import ArgumentTypeError, CacheFullError
+from ..validation import require_int
 from .paged import UNUSED_PAGE, PagedKVCacheManager, _Prefix
 from .params import KVCacheParams
-from .protocol import CacheDevice, KVCacheManagerBase, require_int
+from .protocol import CacheDevice, KVCacheManagerBase
 from .spec import CacheInputs, CacheSpec, HybridCacheSpec
 from .window import PageWindow
 
@@ -280,8 +281,39 @@ class HybridKVCacheManager(KVCacheManagerBase):
         for group in self.groups:
             group.warm_up()
 
-    def close(self) -> None:
-        """Nothing to finish (no tiers); for symmetry with the paged manager."""
+    @property
+    def free_units(self) -> int:
+        """Free pages of every group together."""
+        return self.free_pages
+
+    @property
+    def total_units(self) -> int:
+        """Pages of every group together."""
+        return self.num_pages
+
+    def units_held(self, seq_id: int) -> list[int]:
+        """The pages ``seq_id`` holds in every group (those given back left out)."""
+        return [p for row in self.group_pages(seq_id) for p in row if p != UNUSED_PAGE]
+
+    @property
+    def longest_sequence(self) -> int:
+        """``max_seq_len``, or the tokens a full-attention group's pages hold if fewer."""
+        full = [g.num_pages for g in self.groups if not g.window.slides]
+        return min(self.max_seq_len, *(n * self.page_size for n in full))
+
+    def describe(self) -> str:
+        """``hybrid paged cache, pages of T tokens: <per group> (M MiB, E KV), ...``."""
+        groups = ", ".join(
+            f"{g.num_layers} layers "
+            f"{'of full attention' if g.window.window is None else f'of window {g.window.window}'}"
+            f" in {g.num_pages} pages"
+            for g in self.groups
+        )
+        prefix = "prefix caching on" if self.prefix_caching else "prefix caching off"
+        return (
+            f"hybrid paged cache, pages of {self.page_size} tokens: {groups} "
+            f"({self.nbytes() / 2**20:.1f} MiB, {self.params.encoding} KV), {prefix}"
+        )
 
     # --------------------------------------------------- prefix caching
 

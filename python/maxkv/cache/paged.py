@@ -90,7 +90,9 @@ from max.engine import InferenceSession
 
 from ..errors import ArgumentTypeError, CacheFullError
 from ..tiers.blocks import BlockLayout
+from ..tiers.remote import redact_url
 from ..tiers.store import TierConfig, TieredBlockStore
+from ..validation import require_int
 from .page_pool import PagePool
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
@@ -98,7 +100,6 @@ from .protocol import (
     CacheDevice,
     KVCacheManagerBase,
     device_inputs,
-    require_int,
     validate_sizes,
 )
 from .rotation import KeyRotation
@@ -373,6 +374,54 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def total_storage_units(self) -> int:
         """Pages in the cache."""
         return self.num_pages
+
+    @property
+    def free_units(self) -> int:
+        """Free pages (cached ones included: they are evictable)."""
+        return self.free_pages
+
+    @property
+    def total_units(self) -> int:
+        """Pages in the cache."""
+        return self.num_pages
+
+    def units_held(self, seq_id: int) -> list[int]:
+        """The pages ``seq_id`` holds (those its window gave back left out)."""
+        return [p for p in self.pages(seq_id) if p != UNUSED_PAGE]
+
+    @property
+    def longest_sequence(self) -> int:
+        """``max_seq_len``, or the tokens all pages hold if fewer (a sliding window
+        gives pages back as it goes: then any length)."""
+        if self.window.slides:
+            return self.max_seq_len
+        return min(self.max_seq_len, self.num_pages * self.page_size)
+
+    def describe(self) -> str:
+        """``paged cache: N pages of T tokens (M MiB, E KV), ...``: pages, size,
+        encoding, the window's pages given back, prefix caching, the KV tiers."""
+        size = self.estimated_memory_size(
+            self.params, self.page_size, self.num_pages, self.num_layers, self.devices
+        )
+        prefix = "prefix caching on" if self.prefix_caching else "prefix caching off"
+        where = ""
+        tiers = self.tiers
+        if tiers is not None:
+            c = tiers.config
+            parts = [f"host {c.host_bytes / 2**30:.1f} GiB"]
+            if c.disk_dir is not None:
+                parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
+            if c.redis_url is not None:
+                parts.append(f"Redis {redact_url(c.redis_url)}")
+            if c.disk_dir is not None or c.redis_url is not None:
+                parts.append(tiers.security)
+            where = ", KV tiers: " + ", ".join(parts)
+        window = self.window.window
+        given_back = "" if window is None else f", pages before its {window}-token window freed"
+        return (
+            f"paged cache: {self.num_pages} pages of {self.page_size} tokens "
+            f"({size / 2**20:.1f} MiB, {self.params.encoding} KV){given_back}, {prefix}{where}"
+        )
 
     # ------------------------------------------------------ prefix caching
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from max.dtype import DType
 
 from ..errors import ArgumentTypeError, UnsupportedEncodingError
+from ..validation import require_int
 
 #: Compute dtypes and cache encodings the Mojo ops are instantiated for.  The
 #: Mojo side is generic over any floating dtype; this list is what the test
@@ -65,14 +66,6 @@ SCALE_BYTES = 2
 
 #: Values that share one scale in an ``int4`` head row (llama.cpp's ``q4_0`` block).
 INT4_GROUP = 32
-
-
-def _require_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 def cache_encoding(name: object) -> DType:
@@ -144,9 +137,8 @@ class KVCacheParams:
             raise ValueError(f"dtype {self.dtype.name} is not supported; expected one of {names}")
         storage = self.dtype if self.cache_dtype is None else cache_encoding(self.cache_dtype)
         object.__setattr__(self, "cache_dtype", storage)
-        _require_positive_int("n_kv_heads", self.n_kv_heads)
-        _require_positive_int("head_dim", self.head_dim)
-        _require_positive_int("n_devices", self.n_devices)
+        for field in ("n_kv_heads", "head_dim", "n_devices"):
+            object.__setattr__(self, field, require_int(field, getattr(self, field), 1))
         if self.n_kv_heads % self.n_devices:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} is not divisible by n_devices={self.n_devices}"
@@ -200,7 +192,7 @@ class KVCacheParams:
         ``num_layers`` layers, ``n_kv_heads_per_device`` heads, in the cache
         encoding (scales included).  Every byte count of a cache
         (slots, pages, budgets, tier blocks) is a multiple of it."""
-        layers = _require_positive_int("num_layers", num_layers)
+        layers = require_int("num_layers", num_layers, 1)
         element = int(self.cache_dtype.size_in_bytes)
         return 2 * layers * self.n_kv_heads_per_device * self.head_width * element
 

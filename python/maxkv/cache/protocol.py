@@ -64,6 +64,7 @@ from max.engine import InferenceSession
 from max.graph import TensorType
 
 from ..errors import ArgumentTypeError, CacheFullError
+from ..validation import require_int
 from .params import KVCacheParams
 from .prefix import PrefixCacheStats
 from .spec import CacheInputs, CacheSpec, HybridCacheSpec, KVCacheInputs, KVCacheInputSymbols
@@ -106,20 +107,6 @@ class CacheDevice(Protocol):
 
     def warm_up(self) -> None:
         """Prepares the device work now (compiles graphs) rather than on first use."""
-
-
-def require_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int ``>= minimum``.
-
-    Raises:
-        ArgumentTypeError: If it is not an int (bools refused).
-        ValueError: If it is below ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 class KVCacheManagerBase(ABC):
@@ -266,6 +253,53 @@ class KVCacheManagerBase(ABC):
     def total_storage_units(self) -> int:
         """Storage units (pages) of the whole cache; 0 for contiguous slots."""
         return 0
+
+    # ------------------------------------------------------------ occupancy
+    # What schedulers and MAX's adapter read, the same for every kind of cache:
+    # a unit is a page (paged caches) or a slot (contiguous).
+
+    @property
+    def free_units(self) -> int:
+        """Units no sequence holds now: free slots, or free pages (cached pages of
+        the prefix cache count: they are evictable)."""
+        return self.max_batch_size - len(self.cache_lengths)
+
+    @property
+    def total_units(self) -> int:
+        """Units of the whole cache: slots, or pages (every group's)."""
+        return self.max_batch_size
+
+    def units_held(self, seq_id: int) -> list[int]:
+        """The units ``seq_id`` holds: its slot, or its pages (those a sliding
+        window gave back left out)."""
+        return [seq_id]
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens one sequence can hold: ``max_seq_len``, or fewer where the
+        pages of full attention cannot hold that many."""
+        return self.max_seq_len
+
+    def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
+        """Blocks of :attr:`prefix_block_size` tokens of ``prompt``'s prefix that
+        :meth:`claim_prefix` would reuse now: ``(in the cache, from the KV tiers)``
+        (no change).
+
+        Raises:
+            ValueError: If prefix caching is off.
+        """
+        return self.cached_prefix_length(prompt, salt=salt) // self.prefix_block_size, 0
+
+    def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:  # noqa: B027
+        """A request arrived: start bringing the blocks of its prefix that only slow
+        KV tiers hold into host memory (a no-op without tiers)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Finishes background work (the KV tiers' queued writes); a no-op by default."""
+
+    def describe(self) -> str:
+        """One line on the cache (its layout, size, encoding), for logs."""
+        return f"{type(self).__name__} ({self.params.encoding} KV)"
 
     # ------------------------------------------------------------ state
 

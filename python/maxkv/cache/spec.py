@@ -31,6 +31,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorType
 
 from ..errors import ArgumentTypeError
+from ..validation import require_int
 from .params import KVCacheParams
 
 if TYPE_CHECKING:
@@ -122,17 +123,16 @@ class CacheSpec:
             raise ArgumentTypeError(
                 f"params must be a KVCacheParams, got {type(self.params).__name__}"
             )
-        _positive_int("num_layers", self.num_layers)
+        object.__setattr__(self, "num_layers", require_int("num_layers", self.num_layers, 1))
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {self.kind!r}")
         if self.kind == "paged":
             if self.page_size is None:
                 raise ValueError("a paged cache needs a page_size")
-            _positive_int("page_size", self.page_size)
+            object.__setattr__(self, "page_size", require_int("page_size", self.page_size, 1))
         elif self.page_size is not None:
             raise ValueError(f"a contiguous cache has no page_size, got {self.page_size}")
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
-            raise ValueError(f"group must be an int >= 0, got {self.group!r}")
+        object.__setattr__(self, "group", require_int("group", self.group, 0))
 
     def blocks_shape(self) -> list[int | str]:
         """The ``blocks`` input's shape, with symbolic sizes."""
@@ -258,10 +258,3 @@ class HybridCacheSpec:
             for g, group in enumerate(self.groups)
         ]
         return [(collections[g], i) for g, i in self.layers]
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")

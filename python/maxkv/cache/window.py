@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .protocol import require_int
+from ..validation import require_int
 
 __all__ = ["PageWindow"]
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue
 
 from ..cache.params import KVCacheParams
 from ..errors import ArgumentTypeError
+from ..validation import require_int
 
 __all__ = [
     "ArgumentTypeError",
@@ -102,12 +102,8 @@ def check_host(name: str, value: TensorValue) -> None:
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int ``>= 1`` (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    """``value`` as an int ``>= 1`` (:func:`maxkv.validation.require_int`)."""
+    return require_int(name, value, 1)
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer
 
-from ..cache.hybrid import HybridKVCacheManager
 from ..cache.paged import PagedKVCacheManager, SwappedSequence
 from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
@@ -449,7 +448,7 @@ class ContinuousBatchingScheduler:
         """KV tiers: the disk / Redis blocks of the next requests in the queue start
         coming to host memory while this round runs (not those admitted now, whose
         claim just read them: a prefetch would only compete with it)."""
-        if not isinstance(self.manager, PagedKVCacheManager) or self.manager.tiers is None:
+        if not self.manager.prefix_caching:
             return
         for request in itertools.islice(self._waiting, self.max_batch_size):
             if not request.prefetched:
@@ -554,8 +553,8 @@ class ContinuousBatchingScheduler:
         steps = 1 if prefill else self._steps(batch)
         seq_ids = [_seq_id(r) for r in batch]
         kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
-        if isinstance(self.manager, (PagedKVCacheManager, HybridKVCacheManager)):
-            held = self.manager.num_pages - self.manager.free_pages
+        if self.manager.total_storage_units:  # pages (slots are counted apart)
+            held = self.manager.total_units - self.manager.free_units
             stats.peak_units_in_use = max(stats.peak_units_in_use, held)
 
         device = self.model.device

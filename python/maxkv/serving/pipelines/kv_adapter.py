@@ -60,8 +60,7 @@ from max.pipelines.kv_cache.kv_connector import CompletedTransfer
 from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
 
-from ...cache.hybrid import HybridKVCacheManager
-from ...cache.paged import UNUSED_PAGE, PagedKVCacheManager
+from ...cache.paged import PagedKVCacheManager
 from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
@@ -288,41 +287,22 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
     @property
     def free_units(self) -> int:
         """Free pages (paged, cached ones included: they are evictable) or slots."""
-        m = self.manager
-        if isinstance(m, (PagedKVCacheManager, HybridKVCacheManager)):
-            return m.free_pages
-        return m.max_batch_size - len(m.cache_lengths)
+        return self.manager.free_units
 
     @property
     def total_units(self) -> int:
-        m = self.manager
-        if isinstance(m, (PagedKVCacheManager, HybridKVCacheManager)):
-            return m.num_pages
-        return m.max_batch_size
+        return self.manager.total_units
 
     def num_req_blocks(self, ctx: Any) -> int:
         return len(self.get_req_blocks_per_leaf(ctx)["0"])
 
     def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
         seq = self.seq_of(ctx)
-        if seq is None:
-            return {"0": []}
-        if isinstance(self.manager, PagedKVCacheManager):
-            return {"0": [p for p in self.manager.pages(seq) if p != UNUSED_PAGE]}
-        if isinstance(self.manager, HybridKVCacheManager):
-            rows = self.manager.group_pages(seq)
-            return {"0": [p for row in rows for p in row if p != UNUSED_PAGE]}
-        return {"0": [seq]}
+        return {"0": [] if seq is None else self.manager.units_held(seq)}
 
     @property
     def effective_max_seq_length(self) -> int | None:
-        m = self.manager
-        if isinstance(m, PagedKVCacheManager) and not m.window.slides:
-            return min(m.max_seq_len, m.num_pages * m.page_size)
-        if isinstance(m, HybridKVCacheManager):
-            full = [g.num_pages for g in m.groups if not g.window.slides]
-            return min(m.max_seq_len, *(n * m.page_size for n in full))
-        return m.max_seq_len
+        return self.manager.longest_sequence
 
     # -------------------------------------------------------- prefix caching
 
@@ -332,10 +312,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             return [PrefixCacheHits()]
         tokens = ctx.tokens.all.tolist()
         m = self.manager
-        if (
-            isinstance(m, (PagedKVCacheManager, HybridKVCacheManager))
-            and m.page_size == self.params.page_size
-        ):
+        if m.prefix_block_size == self.params.page_size:  # maxkv's pages are MAX's
             device, tiers = m.prefix_hits(tokens, salt=ctx.cache_salt)
             return [PrefixCacheHits(device_blocks=device, external_blocks=tiers)]
         cached = m.cached_prefix_length(tokens, salt=ctx.cache_salt)
@@ -377,8 +354,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
 
     def shutdown(self) -> None:
         """Finishes the KV tiers' queued writes (Redis, disk) and stops their thread."""
-        if isinstance(self.manager, (PagedKVCacheManager, HybridKVCacheManager)):
-            self.manager.close()
+        self.manager.close()
 
     def get_device_buffer(self, replica_idx: int) -> Any:
         raise NotImplementedError("maxkv: the cache is not a MAX KV buffer")

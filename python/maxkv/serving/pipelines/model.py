@@ -57,7 +57,6 @@ from ...cachedir import cache_dir
 from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
-from ...tiers.remote import redact_url
 from ...tiers.store import TierConfig
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
@@ -247,7 +246,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         self.decoder = DecoderModel(
             config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
         )
-        logger.info("maxkv: %s, %s", path, describe(self.maxkv_manager))
+        logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
         if self.streaming is not None:
             logger.info(
                 "maxkv: attention sinks: every request keeps its first %d tokens (in whole "
@@ -549,62 +548,6 @@ def _hybrid_manager(
 
 def _is_cpu(device: Any) -> bool:
     return bool(getattr(device, "is_host", False)) or "cpu" in str(device).lower()
-
-
-def describe(manager: KVCacheManagerBase) -> str:
-    """One line on the cache, for the log."""
-    prefix = "prefix caching on" if manager.prefix_caching else "prefix caching off"
-    if isinstance(manager, HybridKVCacheManager):
-        groups = ", ".join(
-            f"{g.num_layers} layers "
-            f"{'of full attention' if g.window.window is None else f'of window {g.window.window}'}"
-            f" in {g.num_pages} pages"
-            for g in manager.groups
-        )
-        return (
-            f"hybrid paged cache, pages of {manager.page_size} tokens: {groups} "
-            f"({manager.nbytes() / 2**20:.1f} MiB, {manager.params.encoding} KV), "
-            f"{prefix}"
-        )
-    if isinstance(manager, PagedKVCacheManager):
-        size = manager.estimated_memory_size(
-            manager.params,
-            manager.page_size,
-            manager.num_pages,
-            manager.num_layers,
-            manager.devices,
-        )
-        tiers = manager.tiers
-        where = ""
-        if tiers is not None:
-            c = tiers.config
-            parts = [f"host {c.host_bytes / 2**30:.1f} GiB"]
-            if c.disk_dir is not None:
-                parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
-            if c.redis_url is not None:
-                parts.append(f"Redis {redact_url(c.redis_url)}")
-            if c.disk_dir is not None or c.redis_url is not None:
-                parts.append(tiers.security)
-            where = ", KV tiers: " + ", ".join(parts)
-        window = manager.window.window
-        given_back = "" if window is None else f", pages before its {window}-token window freed"
-        return (
-            f"paged cache: {manager.num_pages} pages of {manager.page_size} tokens "
-            f"({size / 2**20:.1f} MiB, {manager.params.encoding} KV){given_back}, "
-            f"{prefix}{where}"
-        )
-    assert isinstance(manager, ContinuousBatchingKVCacheManager)
-    size = manager.estimated_memory_size(
-        manager.params,
-        manager.max_cache_batch_size,
-        manager.max_seq_len,
-        manager.num_layers,
-        manager.devices,
-    )
-    return (
-        f"contiguous cache: {manager.max_cache_batch_size} slots x {manager.max_seq_len} tokens "
-        f"({size / 2**20:.1f} MiB, {manager.params.encoding} KV), {prefix}"
-    )
 
 
 def kv_cache_params(config: Any, kv_cache_config: Any) -> KVCacheParams:
