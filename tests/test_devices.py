@@ -8,6 +8,7 @@ placement decisions that an H100 run exposed.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from maxkv import FetchContinuousBatchingKVCacheCollection, KVCacheParams
 from maxkv import ops as kvops
 from maxkv.cache.spec import BATCH_DIM, CacheSpec
 from maxkv.graph.checks import same_device
+from maxkv.graph.types import layer_collections
 from maxkv.models.config import default_llama
 from maxkv.models.decoder import build_decoder_graph, cache_params
 
@@ -47,7 +49,8 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
     config, _ = default_llama()
     params = cache_params(config)
     types = cache_types(params, config.num_hidden_layers, GPU)
-    collections = CacheSpec(params, config.num_hidden_layers).layer_collections
+    spec = CacheSpec(params, config.num_hidden_layers)
+    collections = functools.partial(layer_collections, spec)
     graph = build_decoder_graph(config, params, types, collections, GPU)
     text = str(graph)
     assert "maxkv.fused_qkv_ragged_matmul" in text

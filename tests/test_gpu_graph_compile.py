@@ -56,6 +56,7 @@ PROGRAM = textwrap.dedent(
     from maxkv import KVCacheParams, kernels_path
     from maxkv import ops as kvops
     from maxkv.cache.spec import CacheSpec
+    from maxkv.graph.types import collection_fetcher
 
     heads, kv_heads, head_dim, hidden, layers = 4, 2, 16, 64, {LAYERS}
     width = heads * head_dim
@@ -83,7 +84,7 @@ PROGRAM = textwrap.dedent(
 
     with Graph("rope_layers", input_types=types, custom_extensions=[kernels_path()]) as g:
         h, offsets, *cache = (value.tensor for value in g.inputs)
-        kv = spec.collection_fetcher()(*cache)
+        kv = collection_fetcher(spec)(*cache)
         freqs = weight("freqs")
         for layer in range(layers):
             x = ops.rms_norm(h, weight(f"norm{{layer}}"), epsilon=1e-6)

@@ -54,6 +54,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from maxkv import kernels_path
 from maxkv import ops as kvops
 from maxkv.cache.spec import CacheSpec
+from maxkv.graph.types import collection_fetcher
 from maxkv.models.config import DecoderConfig, default_llama, random_weight_recipe
 from maxkv.models.decoder import (
     DecoderModel,
@@ -187,7 +188,7 @@ def attention_stack(config: DecoderConfig, spec: CacheSpec, device: DeviceRef) -
     with Graph("attention_stack", input_types=types, custom_extensions=[kernels_path()]) as g:
         x, offsets, freqs, *rest = (v.tensor for v in g.inputs)
         weights, cache = rest[: c.num_hidden_layers], rest[c.num_hidden_layers :]
-        kv = spec.collection_fetcher()(*cache)
+        kv = collection_fetcher(spec)(*cache)
         for i, w in enumerate(weights):
             q = kvops.fused_qkv_ragged_matmul(params, x, offsets, w, kv, i)
             q = q.reshape(["tokens", c.num_attention_heads, c.head_dim])
@@ -209,7 +210,7 @@ def rope_stack(config: DecoderConfig, spec: CacheSpec, device: DeviceRef) -> Gra
     ]
     with Graph("rope_stack", input_types=types, custom_extensions=[kernels_path()]) as g:
         x, offsets, freqs, *cache = (v.tensor for v in g.inputs)
-        kv = spec.collection_fetcher()(*cache)
+        kv = collection_fetcher(spec)(*cache)
         for i in range(c.num_hidden_layers):
             x = kvops.fused_qk_ragged_rope(params, x, offsets, kv, freqs, i, interleaved=False)
         g.output(x)

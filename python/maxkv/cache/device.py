@@ -27,6 +27,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 from ..graph import ops as kv_ops
+from ..graph.types import collection_fetcher
 from ..kernels import kernels_path, load_graph
 from .spec import BATCH_DIM, CacheSpec, KVCacheInputs
 
@@ -142,7 +143,7 @@ class MaxCacheDevice:
         symbols = self.spec.input_symbols(self.devices)
         range_type = TensorType(DType.uint32, [2], DeviceRef.CPU())
         input_types = [t for device_symbols in symbols for t in device_symbols] + [range_type]
-        fetch = self.spec.collection_fetcher()
+        fetch = collection_fetcher(self.spec)
         params = self.spec.params
         with Graph(
             "maxkv_copy_tokens", input_types=input_types, custom_extensions=[kernels_path()]

@@ -229,7 +229,9 @@ class KVCacheManagerBase(ABC):
         self,
     ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
         """What turns one device's :meth:`fetch` inputs into the collection inside a graph."""
-        return _single(self.spec).collection_fetcher()
+        from ..graph.types import collection_fetcher
+
+        return collection_fetcher(_single(self.spec))
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -1,8 +1,10 @@
 """A KV cache described without a manager: what a model graph needs to know of it.
 
 :class:`CacheSpec` (parameters, layers, kind, page size) gives a graph its
-cache inputs (:meth:`CacheSpec.input_symbols`) and the fetcher that turns them
-into the opaque collection (:meth:`CacheSpec.collection_fetcher`).  Models and
+cache inputs (:meth:`CacheSpec.input_symbols`); the graph side turns them into
+the opaque collection (:func:`maxkv.graph.types.collection_fetcher`).  This
+module and :mod:`~maxkv.cache.params` sit below the managers and the graph
+side: they import neither.  Models and
 graphs are built from a spec; a manager of the same spec feeds them at run
 time (``manager.spec``).  The cache's sizes (slots, pages, ``max_seq_len``)
 are symbolic dims of the inputs, so one compiled graph serves every manager
@@ -17,14 +19,14 @@ cache, MAX's ``KVCacheGroupId``): each group a paged cache of its own, so
 that the pages of sliding-window layers go back to their pool while the
 full-attention layers keep every token.  Per device its inputs are the
 groups' 4-tuples one after the other, and the graph builds one collection
-per group (:meth:`HybridCacheSpec.layer_collections`).
+per group (:func:`maxkv.graph.types.layer_collections`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from max.driver import Buffer, Device
 from max.dtype import DType
@@ -33,13 +35,6 @@ from max.graph import DeviceRef, TensorType
 from ..errors import ArgumentTypeError
 from ..validation import require_int
 from .params import KVCacheParams
-
-if TYPE_CHECKING:
-    from ..graph.types import (
-        FetchContinuousBatchingKVCacheCollection,
-        FetchPagedKVCacheCollection,
-        KVCacheCollection,
-    )
 
 #: How a cache stores sequences: one slot of ``max_seq_len`` tokens each, or pages.
 CacheKind = Literal["contiguous", "paged"]
@@ -175,26 +170,6 @@ class CacheSpec:
             )
         return symbols
 
-    def collection_fetcher(
-        self,
-    ) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
-        """What turns one device's inputs into the opaque collection inside a graph."""
-        from ..graph.types import (
-            FetchContinuousBatchingKVCacheCollection,
-            FetchPagedKVCacheCollection,
-        )
-
-        if self.kind == "paged":
-            assert self.page_size is not None
-            return FetchPagedKVCacheCollection(self.params, self.page_size)
-        return FetchContinuousBatchingKVCacheCollection(self.params)
-
-    def layer_collections(self, values: Sequence[Any]) -> list[tuple[KVCacheCollection, int]]:
-        """Inside a graph: per model layer, its collection and its layer index there,
-        from one device's cache input values (:meth:`input_symbols`' order)."""
-        kv = self.collection_fetcher()(*values)
-        return [(kv, i) for i in range(self.num_layers)]
-
 
 @dataclass(frozen=True)
 class HybridCacheSpec:
@@ -248,13 +223,3 @@ class HybridCacheSpec:
             tuple(t for symbols in device for t in symbols)
             for device in zip(*per_group, strict=True)
         ]
-
-    def layer_collections(self, values: Sequence[Any]) -> list[tuple[KVCacheCollection, int]]:
-        """Inside a graph: per model layer, its group's collection and its index there."""
-        if len(values) != 4 * len(self.groups):
-            raise ValueError(f"expected {4 * len(self.groups)} cache inputs, got {len(values)}")
-        collections = [
-            group.collection_fetcher()(*values[4 * g : 4 * g + 4])
-            for g, group in enumerate(self.groups)
-        ]
-        return [(collections[g], i) for g, i in self.layers]

@@ -12,6 +12,7 @@ every op in :mod:`maxkv.ops` takes either collection.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -20,6 +21,7 @@ from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
 from ..cache.params import KVCacheParams
+from ..cache.spec import CacheSpec, HybridCacheSpec
 from .checks import (
     check_host,
     check_on,
@@ -310,3 +312,31 @@ class FetchPagedKVCacheCollection:
             parameters=ctor_parameters(params, self.page_size),
         )[0]
         return PagedKVCacheCollection(out, device=pages.device, params=params)
+
+
+def collection_fetcher(
+    spec: CacheSpec,
+) -> FetchContinuousBatchingKVCacheCollection | FetchPagedKVCacheCollection:
+    """What turns one device's inputs of a cache of ``spec`` into the opaque
+    collection inside a graph."""
+    if spec.kind == "paged":
+        assert spec.page_size is not None
+        return FetchPagedKVCacheCollection(spec.params, spec.page_size)
+    return FetchContinuousBatchingKVCacheCollection(spec.params)
+
+
+def layer_collections(
+    spec: CacheSpec | HybridCacheSpec, values: Sequence[Any]
+) -> list[tuple[KVCacheCollection, int]]:
+    """Inside a graph: per model layer, its collection and its layer index there,
+    from one device's cache input values (``spec.input_symbols``' order; a hybrid
+    cache's groups one after the other, one collection per group)."""
+    if isinstance(spec, CacheSpec):
+        kv = collection_fetcher(spec)(*values)
+        return [(kv, i) for i in range(spec.num_layers)]
+    if len(values) != 4 * len(spec.groups):
+        raise ValueError(f"expected {4 * len(spec.groups)} cache inputs, got {len(values)}")
+    collections = [
+        collection_fetcher(group)(*values[4 * g : 4 * g + 4]) for g, group in enumerate(spec.groups)
+    ]
+    return [(collections[g], i) for g, i in spec.layers]

@@ -16,6 +16,7 @@ kernels, the GPU's usual dtype; on the CPU too, slowly).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from ..cpu.arrays import aligned
 from ..cpu.quantized import BlockQuantized
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
+from ..graph.types import layer_collections as spec_layer_collections
 from ..kernels import kernels_path, load_graph
 from .blocks import Blocks
 from .config import DecoderConfig, check_weights
@@ -297,9 +299,8 @@ def build_decoder_graph(
     Inputs: token ids int64 ``[total_tokens]``, ``input_row_offsets`` uint32
     ``[batch + 1]`` (both on ``device``), then ``cache_types`` (one device's
     cache inputs, turned into each layer's collection and index there by
-    ``layer_collections``: a spec's
-    :meth:`~maxkv.cache.spec.CacheSpec.layer_collections`, or a hybrid
-    spec's, whose layer groups have collections of their own).
+    ``layer_collections``: :func:`maxkv.graph.types.layer_collections` of a
+    spec, or of a hybrid spec, whose layer groups have collections of their own).
     Output: see :data:`OutputKind` (logits float32 whatever the model's
     dtype).  The model computes in ``params.dtype`` (:data:`MODEL_DTYPES`).
     Weights are graph weights named and laid out as :func:`graph_weights`
@@ -538,7 +539,7 @@ class DecoderModel:
             config,
             params,
             spec.input_symbols([ref])[0],
-            spec.layer_collections,
+            functools.partial(spec_layer_collections, spec),
             ref,
             output,
             self.quant_bits,
