@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
@@ -193,7 +194,7 @@ def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``q = float8_e4m3fn(x / scale)`` (torch's conversion: nearest, ties to
     even) of ``x / scale`` clamped to [-448, 448].  Returns ``(q as its uint8
     bit patterns, scale float16)``."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     x = np.asarray(x, dtype=np.float32)
     scale = (np.abs(x).max(axis=-1) / np.float32(448)).astype(np.float16)
@@ -255,8 +256,7 @@ def decode_rows(rows: np.ndarray, encoding: str) -> np.ndarray:
     if encoding == "int8":
         values = rows[..., :-2].view(np.int8).astype(np.float64)
     else:
-        import torch
-
+        torch = pytest.importorskip("torch")
         bits = torch.from_numpy(np.ascontiguousarray(rows[..., :-2]))
         values = bits.view(torch.float8_e4m3fn).to(torch.float64).numpy()
     return unrotate(values * scale[..., None])

@@ -135,13 +135,29 @@ def test_a_narrower_cache_holds_twice_the_tokens_in_the_same_bytes() -> None:
 
 def test_tier_blocks_name_their_encoding() -> None:
     """A block stored from a bfloat16 cache is refused by a cache of any other
-    encoding, the quantized ones (the same bytes a row) included."""
-    names = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int8", "int4")
+    row format: the quantized encodings (the same bytes a row) included, and int8
+    rows not rotated (as maxkv stored them before the rotation) by an int8 cache."""
+    names = (
+        "float32",
+        "bfloat16",
+        "float16",
+        "float8_e4m3fn+hadamard",
+        "int8",
+        "int8+hadamard",
+        "int4+hadamard",
+    )
     layouts = {name: BlockLayout("m", "page", 2, 2, 4, name, 4) for name in names}
     assert len({layout.fingerprint for layout in layouts.values()}) == len(names)
     assert layouts["bfloat16"].payload_dtype == np.uint16  # its bit patterns
-    assert layouts["float8_e4m3fn"].payload_dtype == np.uint8
-    assert layouts["int4"].payload_dtype == np.uint16
+    assert layouts["float8_e4m3fn+hadamard"].payload_dtype == np.uint8
+    assert layouts["int4+hadamard"].payload_dtype == np.uint16
+    params = KVCacheParams(DType.float32, 2, 64, cache_dtype="int8")  # type: ignore[arg-type]
+    assert params.row_format == "int8+hadamard"
+    assert KVCacheParams(DType.float32, 2, 64).row_format == "float32"
+    old = encode_block(layouts["int8"], b"k" * 16, np.zeros(layouts["int8"].page_shape(), np.int8))
+    with pytest.raises(BlockInvalid) as refused:
+        decode_block(layouts["int8+hadamard"], b"k" * 16, old)
+    assert refused.value.reason == "layout"
     bits = np.random.default_rng(0).integers(0, 2**16, layouts["bfloat16"].page_shape())
     data = encode_block(layouts["bfloat16"], b"k" * 16, bits.astype(np.uint16))
     back, _ = decode_block(layouts["bfloat16"], b"k" * 16, data)
@@ -175,7 +191,7 @@ def test_encoded_pages_go_through_the_tiers_bit_for_bit(
         enable_prefix_caching=True,
         tiers=TierConfig(model_id="m", disk_dir=str(tmp_path), host_bytes=0),
     )
-    assert m.block_layout("m").dtype == encoding
+    assert m.block_layout("m").dtype == params.row_format
     pages = host_view(m._pages[0])
     assert pages.dtype == bits
     prompt = list(range(100, 117))  # 4 full pages + 1 token

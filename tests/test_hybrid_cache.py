@@ -355,3 +355,11 @@ def test_every_kind_of_cache_reports_its_occupancy_the_same_way() -> None:
     assert [g.window.window for g in m.groups] == [WINDOW, None]
     assert m.longest_sequence == 5 * PAGE  # the full-attention group's 5 pages
     assert m.describe().startswith(f"hybrid paged cache, pages of {PAGE} tokens")
+
+
+def test_a_hybrid_cache_whose_groups_all_slide_holds_any_length() -> None:
+    m = HybridKVCacheManager(
+        PARAMS, PAGE, [8], 4, 256, (WINDOW, WINDOW), [CPU()], None, cache_device=NumpyCacheDevice()
+    )
+    assert [g.window.slides for g in m.groups] == [True]
+    assert m.longest_sequence == 256  # no full-attention group bounds it

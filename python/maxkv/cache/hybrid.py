@@ -297,9 +297,10 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     @property
     def longest_sequence(self) -> int:
-        """``max_seq_len``, or the tokens a full-attention group's pages hold if fewer."""
+        """``max_seq_len``, or the tokens a full-attention group's pages hold if fewer
+        (every group sliding: ``max_seq_len``)."""
         full = [g.num_pages for g in self.groups if not g.window.slides]
-        return min(self.max_seq_len, *(n * self.page_size for n in full))
+        return min([self.max_seq_len, *(n * self.page_size for n in full)])
 
     def describe(self) -> str:
         """``hybrid paged cache, pages of T tokens: <per group> (M MiB, E KV), ...``."""

@@ -640,7 +640,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             num_layers=self.num_layers,
             n_kv_heads=p.n_kv_heads,
             head_dim=p.head_width,  # a stored head row (quantized: with its scales)
-            dtype=p.encoding,
+            dtype=p.row_format,
             page_size=self.page_size,
             devices=p.n_devices,
         )

@@ -71,7 +71,8 @@ INT4_GROUP = 32
 def cache_encoding(name: object) -> DType:
     """The storage dtype of the cache encoding ``name`` (``"bfloat16"``, a
     ``DType``, or MAX's ``DType.bfloat16`` spelled as text).  ``float8_e4m3fn``
-    is stored as ``uint8`` and ``int4`` as ``uint16``, which also name them.
+    is stored as ``uint8`` and ``int4`` as ``uint16``: those dtypes (not
+    their names as text) also name them.
 
     Raises:
         UnsupportedEncodingError: For an encoding maxkv knows but does not
@@ -181,6 +182,14 @@ class KVCacheParams:
             row_bytes = self.head_dim // 2 + self.head_dim // INT4_GROUP * SCALE_BYTES
             return row_bytes // int(self.cache_dtype.size_in_bytes)
         return self.head_dim + (SCALE_BYTES if self.quantized else 0)
+
+    @property
+    def row_format(self) -> str:
+        """The name of a stored head row's format, which blocks moved out of the
+        cache (the KV tiers) carry: the encoding, marked ``+hadamard`` for the
+        quantized ones, whose rows are rotated before they are quantized (so a
+        block of int8 rows not rotated, or of another encoding, is refused)."""
+        return f"{self.encoding}+hadamard" if self.quantized else self.encoding
 
     @property
     def cache_dtype_name(self) -> str:

@@ -59,8 +59,8 @@ class KVCacheInputs(NamedTuple):
       ``[slots, 2, num_layers, max_seq_len, n_kv_heads_per_device,
       head_width]``, paged ``[num_pages, 2, num_layers, page_size,
       n_kv_heads_per_device, head_width]`` (axis 1: 0 keys, 1 values;
-      ``head_width`` is :attr:`KVCacheParams.head_width`: ``head_dim``, plus
-      an int8 row's scale).
+      ``head_width`` is :attr:`KVCacheParams.head_width`: ``head_dim``, or a
+      quantized row's storage elements, scales included).
     - ``cache_lengths``: uint32 ``[batch]``, tokens already cached per sequence.
     - ``lookup_table``: uint32; contiguous ``[batch]``, the slot of each
       sequence; paged ``[batch, max_pages_per_seq]``, its page table.

@@ -62,9 +62,10 @@ class BlockLayout:
         num_layers: Transformer layers in a block.
         n_kv_heads: KV heads (all devices together; chunks: 0 takes any).
         head_dim: Size of one head (chunks: 0 takes any).
-        dtype: The cache encoding of the payload (``"float32"``,
-            ``"bfloat16"``, ``"int8"``, ``"int4"``, ...): blocks of another
-            encoding are refused.  NumPy holds the payload in the cache's
+        dtype: The row format of the payload: its cache encoding (``"float32"``,
+            ``"bfloat16"``, ...; the quantized ones marked as rotated:
+            ``"int8+hadamard"``, ``KVCacheParams.row_format``): blocks of
+            another format are refused.  NumPy holds the payload in the cache's
             storage dtype: bfloat16 as its bit patterns (uint16), float8 as
             uint8, int4 as uint16.
         page_size: Tokens per block (pages); ``0`` for chunks.
@@ -91,7 +92,8 @@ class BlockLayout:
     def payload_dtype(self) -> np.dtype[Any]:
         """The NumPy dtype of the payload's elements (bfloat16: its uint16 bit
         patterns; float8: uint8; int4: uint16)."""
-        return np.dtype(_BIT_PATTERNS.get(self.dtype, self.dtype))
+        encoding = self.dtype.split("+")[0]  # "int8+hadamard": rows rotated, then int8
+        return np.dtype(_BIT_PATTERNS.get(encoding, encoding))
 
     @property
     def fingerprint(self) -> str:
@@ -123,7 +125,6 @@ class BlockLayout:
             raise BlockInvalid("layout", f"shape {shape} is not a {self.kind} block {expected}")
 
 
-#: Cache encodings NumPy has no dtype for, held as their bit patterns.
 #: Encodings NumPy has no dtype for, held as their stored elements' bits.
 _BIT_PATTERNS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "int4": "uint16"}
 
