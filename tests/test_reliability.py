@@ -966,11 +966,9 @@ class Int4PrefixMachine(PagedPrefixMachine):
     HEAD_DIM = 32
 
 
+# The paged machine's settings, fewer examples.
 Int4PrefixMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    PagedPrefixMachine.TestCase.settings, max_examples=60
 )
 TestInt4PrefixStateMachine = Int4PrefixMachine.TestCase
 
