@@ -71,6 +71,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", default="smollm2,llama3_8b", help="end_to_end shapes")
     parser.add_argument("--batches", default="1,8,32,128", help="end_to_end batch sizes")
     parser.add_argument("--workdir", type=Path, help="checkpoints (default: a temp folder)")
+    parser.add_argument(
+        "--export-mefs", type=Path, help="write every graph compiled to this folder (export)"
+    )
+    parser.add_argument(
+        "--precompiled-mefs",
+        type=Path,
+        action="append",
+        help="load graphs from artifacts in this folder instead of compiling (repeatable)",
+    )
     parser.add_argument("--compile-variant", help=argparse.SUPPRESS)  # a subprocess's job
     return parser.parse_args()
 
@@ -123,9 +132,16 @@ def main() -> int:
         raise SystemExit(f"unknown parts {unknown}; choose from {gpu.PARTS}")
     if args.json is None:
         raise SystemExit("--json is required: every part merges its results into it")
-    if args.device == "virtual" and set(parts) - {"reduce", "compile"}:
-        raise SystemExit("--device virtual compiles only: choose --parts from reduce,compile")
+    if args.device == "virtual" and set(parts) - {"reduce", "compile", "export"}:
+        raise SystemExit(
+            "--device virtual compiles only: choose --parts from reduce,compile,export"
+        )
+    if "export" in parts and args.export_mefs is None:
+        raise SystemExit("--parts export writes its graphs to --export-mefs FOLDER")
+    if args.export_mefs is not None and args.precompiled_mefs:
+        raise SystemExit("pass at most one of --export-mefs and --precompiled-mefs")
     device = open_device(args.device, args.target)
+    gpu.use_mef_store(args.export_mefs, args.precompiled_mefs, log)
     session = InferenceSession(devices=[device])
     kind = "smoke" if args.smoke else args.device
     if args.device == "virtual":
@@ -134,6 +150,11 @@ def main() -> int:
     gpu.merge_into(args.json, {"machine": machine, "command": " ".join(sys.argv)})
     only = set(args.variants.split(",")) if args.variants else None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="maxkv_gpu_study_"))
+    # The end-to-end run's sizes (the export part compiles its graphs for them).
+    shapes = ["tiny"] if args.smoke else args.shapes.split(",")
+    batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
+    dtype = gpu.DTYPES["float32" if args.smoke else "bfloat16"]
+    prompt_len, new_tokens, num_steps = (8, 4, 4) if args.smoke else (128, 64, 4)
     for part in parts:
         start = time.perf_counter()
         log(f"== {part}")
@@ -165,19 +186,30 @@ def main() -> int:
                     "attention_decode": rows,
                 },
             )
+        elif part == "export":
+            rows = gpu.export_graphs(
+                session,
+                device,
+                shapes,
+                batches,
+                smoke=args.smoke,
+                dtype=dtype,
+                max_len=prompt_len + new_tokens + num_steps,
+                workdir=workdir,
+                log=log,
+            )
+            gpu.merge_into(args.json, {"export": rows})
         else:
-            shapes = ["tiny"] if args.smoke else args.shapes.split(",")
-            batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
             rows = gpu.end_to_end(
                 session,
                 device,
                 shapes,
                 batches,
-                dtype=gpu.DTYPES["float32" if args.smoke else "bfloat16"],
-                prompt_len=8 if args.smoke else 128,
-                new_tokens=4 if args.smoke else 64,
+                dtype=dtype,
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
                 repeats=1 if args.smoke else 3,
-                num_steps=4,
+                num_steps=num_steps,
                 workdir=workdir,
                 log=log,
             )

@@ -16,6 +16,9 @@ run one after the other, never at once.  Workloads:
 - ``multiturn``: C conversations of 4 turns behind a ~150-token system prompt;
   each turn resends the history (the side's own earlier answers) and asks
   the next question, 48 new tokens.
+- ``longdoc``: the questions behind one shared ~4,000-token system prompt (the
+  opening of the GPL-3 text in ``/usr/share/common-licenses``), 64 new tokens:
+  decode steps that read long contexts (needs ``--max-length`` of 4608 or more).
 
 Greedy (temperature 0) everywhere.  Per side and workload: output tokens/s
 (all output tokens / wall time of the workload), time to first token and
@@ -54,7 +57,7 @@ from typing import Any
 import numpy as np
 
 SIDES = ("maxkv", "max", "vllm")
-WORKLOADS = ("plain", "system", "multiturn")
+WORKLOADS = ("plain", "system", "multiturn", "longdoc")
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -342,6 +345,21 @@ async def stream_chat(client: Any, url: str, model: str, request: Request) -> No
         request.output_tokens = len(request.chunk_times)
 
 
+#: ``longdoc``'s shared document: about 4,000 tokens of SmolLM2's tokenizer.
+LONG_DOCUMENT_PATH = Path("/usr/share/common-licenses/GPL-3")
+LONG_DOCUMENT_CHARS = 18_700
+#: Its prompt, the chat template, a question and 64 new tokens fit in this.
+LONGDOC_MAX_LENGTH = 4608
+
+
+def long_system_prompt() -> str:
+    """``longdoc``'s system prompt: a document the questions come after."""
+    if not LONG_DOCUMENT_PATH.is_file():
+        raise SystemExit(f"the longdoc workload reads {LONG_DOCUMENT_PATH} (Debian's base-files)")
+    text = LONG_DOCUMENT_PATH.read_text()[:LONG_DOCUMENT_CHARS]
+    return "You answer questions. Here is a document for reference.\n\n" + text
+
+
 def workload_requests(workload: str, concurrency: int, count: int) -> list[list[Request]]:
     """The requests of a workload, as one list per client stream of dependent turns.
 
@@ -365,12 +383,15 @@ def workload_requests(workload: str, concurrency: int, count: int) -> list[list[
     if workload == "plain":
         return [[Request(f"plain/{i}", [{"role": "user", "content": q}], 64)] for i, q in
                 enumerate(questions)]  # fmt: skip
+    system, new_tokens = SYSTEM_PROMPT, 32
+    if workload == "longdoc":
+        system, new_tokens = long_system_prompt(), 64
     return [
         [
             Request(
-                f"system/{i}",
-                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
-                32,
+                f"{workload}/{i}",
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                new_tokens,
             )
         ]
         for i, q in enumerate(questions)
@@ -663,7 +684,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vllm", default="/tmp/vllm-venv/bin/vllm", help="vLLM's CLI (its CPU backend)"
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        default="plain,system,multiturn",
+        help=f"of {','.join(WORKLOADS)} (longdoc needs --max-length {LONGDOC_MAX_LENGTH})",
+    )
     parser.add_argument("--concurrency", default="16,32", help="requests in flight, e.g. 16,32")
     parser.add_argument("--requests", type=int, default=0, help="per workload (default 3 x C)")
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second")
@@ -692,6 +717,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if set(args.sides) - set(SIDES) or set(args.workloads) - set(WORKLOADS):
         parser.error(f"sides are {SIDES}, workloads {WORKLOADS}")
+    if "longdoc" in args.workloads and args.max_length < LONGDOC_MAX_LENGTH:
+        parser.error(f"the longdoc workload needs --max-length {LONGDOC_MAX_LENGTH} or more")
     if min(args.concurrency, default=0) < 1:
         parser.error("--concurrency needs positive numbers")
     return args

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from max import tree
@@ -31,6 +32,7 @@ from maxkv import (
     kernels_path,
 )
 from maxkv import ops as kvops
+from maxkv.cache.spec import CacheSpec
 from maxkv.models.decoder import bfloat16_buffer
 
 from .timing import interleaved_median_seconds
@@ -121,19 +123,29 @@ class MaxkvDecodeAttention:
     def __init__(self, shape: AttentionShape, device: Device, session: InferenceSession) -> None:
         self.shape = shape
         self.device = device
-        self.params = KVCacheParams(shape.dtype, shape.n_heads, shape.head_dim)
+        self.params = self.cache_params(shape)
         self.manager = ContinuousBatchingKVCacheManager(
             self.params, shape.max_batch, shape.max_context, 1, [device], session
         )
-        ref = DeviceRef.from_device(device)
-        types = [*self.manager.input_symbols()[0], *query_types(shape, ref)]
+        self.model: Model = session.load(self.graph(shape, DeviceRef.from_device(device)))
+
+    @staticmethod
+    def cache_params(shape: AttentionShape) -> KVCacheParams:
+        return KVCacheParams(shape.dtype, shape.n_heads, shape.head_dim)
+
+    @classmethod
+    def graph(cls, shape: AttentionShape, device: DeviceRef) -> Graph:
+        """The step's graph; it needs no cache (so it compiles for a virtual device)."""
+        params = cls.cache_params(shape)
+        spec = CacheSpec(params, 1, "contiguous")
+        types = [*spec.input_symbols([device])[0], *query_types(shape, device)]
         with Graph(
             "maxkv_decode_attention", input_types=types, custom_extensions=[kernels_path()]
         ) as graph:
             *cache, q, offsets = (v.tensor for v in graph.inputs)
-            kv = FetchContinuousBatchingKVCacheCollection(self.params)(*cache)
-            graph.output(kvops.flash_attention_ragged(self.params, q, offsets, kv, 0))
-        self.model: Model = session.load(graph)
+            kv = FetchContinuousBatchingKVCacheCollection(params)(*cache)
+            graph.output(kvops.flash_attention_ragged(params, q, offsets, kv, 0))
+        return graph
 
     def prepare(self, data: DecodeData) -> list[Buffer]:
         batch, context = data.k.shape[:2]
@@ -158,22 +170,12 @@ class MaxPagedDecodeAttention:
     """MAX 26.7: ``PagedKVCacheManager`` + ``max.nn.kernels.flash_attention_ragged``."""
 
     def __init__(self, shape: AttentionShape, device: Device, session: InferenceSession) -> None:
-        from max.nn.attention.mask_config import MHAMaskVariant
-        from max.nn.kernels import flash_attention_ragged
-        from max.nn.kv_cache import MHAKVCacheParams
         from max.pipelines.kv_cache import PagedKVCacheManager
 
         self.shape = shape
         self.device = device
         ref = DeviceRef.from_device(device)
-        self.params = MHAKVCacheParams(
-            dtype=shape.dtype,
-            n_kv_heads=shape.n_heads,
-            head_dim=shape.head_dim,
-            num_layers=1,
-            page_size=shape.page_size,
-            devices=[ref],
-        )
+        self.params = self.cache_params(shape, ref)
         pages = shape.max_batch * math.ceil(shape.max_context / shape.page_size)
         self.manager = PagedKVCacheManager(
             params=self.params,
@@ -181,16 +183,39 @@ class MaxPagedDecodeAttention:
             total_num_pages=pages,
             max_batch_size=shape.max_batch,
         )
-        kv_types, _ = tree.flatten(self.params.get_symbolic_inputs())
-        self._n_kv = len(kv_types)
-        types = [*kv_types, *query_types(shape, ref)]
+        self._n_kv = len(tree.flatten(self.params.get_symbolic_inputs())[0])
+        self.model: Model = session.load(self.graph(shape, ref))
+        self._contexts: list[object] = []
+
+    @staticmethod
+    def cache_params(shape: AttentionShape, device: DeviceRef) -> Any:
+        from max.nn.kv_cache import MHAKVCacheParams
+
+        return MHAKVCacheParams(
+            dtype=shape.dtype,
+            n_kv_heads=shape.n_heads,
+            head_dim=shape.head_dim,
+            num_layers=1,
+            page_size=shape.page_size,
+            devices=[device],
+        )
+
+    @classmethod
+    def graph(cls, shape: AttentionShape, device: DeviceRef) -> Graph:
+        """The step's graph; it needs no cache (so it compiles for a virtual device)."""
+        from max.nn.attention.mask_config import MHAMaskVariant
+        from max.nn.kernels import flash_attention_ragged
+
+        params = cls.cache_params(shape, device)
+        kv_types, _ = tree.flatten(params.get_symbolic_inputs())
+        types = [*kv_types, *query_types(shape, device)]
         with Graph("max_paged_decode_attention", input_types=types) as graph:
-            (kv,) = self.params.unflatten_kv_inputs(iter(graph.inputs[: self._n_kv]))
-            q, offsets = (v.tensor for v in graph.inputs[self._n_kv :])
+            (kv,) = params.unflatten_kv_inputs(iter(graph.inputs[: len(kv_types)]))
+            q, offsets = (v.tensor for v in graph.inputs[len(kv_types) :])
             layer = ops.constant(0, DType.uint32, device=DeviceRef.CPU())
             graph.output(
                 flash_attention_ragged(
-                    self.params,
+                    params,
                     q,
                     offsets,
                     kv,
@@ -199,8 +224,7 @@ class MaxPagedDecodeAttention:
                     scale=1.0 / math.sqrt(shape.head_dim),
                 )
             )
-        self.model: Model = session.load(graph)
-        self._contexts: list[object] = []
+        return graph
 
     def prepare(self, data: DecodeData) -> list[Buffer]:
         from max.pipelines.context import TextContext, TokenBuffer

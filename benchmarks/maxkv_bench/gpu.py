@@ -53,6 +53,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from maxkv import kernels_path
 from maxkv import ops as kvops
+from maxkv.cache.device import MaxCacheDevice
 from maxkv.cache.spec import CacheSpec
 from maxkv.graph.types import collection_fetcher
 from maxkv.models.config import DecoderConfig, default_llama, random_weight_recipe
@@ -62,18 +63,22 @@ from maxkv.models.decoder import (
     bfloat16_buffer,
     cache_params,
     matrix_sources,
-    rope_table,
     uses_packed_kernels,
     vector_sources,
 )
 from maxkv.models.export import llama_config_json
 from maxkv.models.reference import greedy_reference
 
-from .attention import AttentionShape, bench_attention_decode
-from .machine import device_read_bandwidth_gbps
+from .attention import (
+    AttentionShape,
+    MaxkvDecodeAttention,
+    MaxPagedDecodeAttention,
+    bench_attention_decode,
+)
+from .machine import device_read_bandwidth_gbps, device_read_graph
 from .real import MaxkvSide, MaxPipeline
 
-PARTS = ("reduce", "compile", "attention", "end_to_end")
+PARTS = ("reduce", "compile", "export", "attention", "end_to_end")
 
 #: The shapes measured (random weights); ``tiny`` is the smoke test's.
 SHAPES: dict[str, DecoderConfig] = {
@@ -459,7 +464,7 @@ def prepared_graph_weights(
         def cat(arrays: list[Any]) -> Any:
             return torch.cat(arrays)
 
-    out: dict[str, Any] = {"rope.freqs_cis": rope_table(config)}
+    out: dict[str, Any] = dict(config.rope_tables())
     for name, source in vector_sources(config).items():
         out[name] = convert(weights[source])
     for name, parts in matrix_sources(config, packed=False).items():
@@ -579,12 +584,9 @@ def _maxkv_side(
     """maxkv's rows of :func:`_time_side` and the seconds to load and compile it.
     ``prepared``: graph weights, or Hugging Face ones where maxkv packs them (float32
     on the CPU)."""
-    packed = uses_packed_kernels(DeviceRef.from_device(device), dtype)
 
     def build(manager: Any) -> DecoderModel:
-        if packed:
-            return DecoderModel(config, prepared, manager, session)  # type: ignore[arg-type]
-        return DecoderModel(config, None, manager, session, prepared=prepared)
+        return maxkv_model(config, prepared, manager, session, device, dtype)
 
     start = time.perf_counter()
     ours = MaxkvSide(session, device, config, max_len, build, dtype)
@@ -592,6 +594,23 @@ def _maxkv_side(
     compile_s = time.perf_counter() - start
     rows = _time_side(lambda p: ours.run(p, new_tokens, num_steps), prompts, batches, repeats)
     return rows, compile_s
+
+
+def maxkv_model(
+    config: DecoderConfig,
+    prepared: Mapping[str, Any],
+    cache: Any,
+    session: InferenceSession,
+    device: Device,
+    dtype: DType,
+) -> DecoderModel:
+    """maxkv's model as the end-to-end part builds it, over a manager or (to
+    compile it alone, as the ``export`` part does) a :class:`CacheSpec`."""
+    packed = uses_packed_kernels(DeviceRef.from_device(device), dtype)
+    on = {"device": device} if isinstance(cache, CacheSpec) else {}
+    if packed:
+        return DecoderModel(config, prepared, cache, session, **on)  # type: ignore[arg-type]
+    return DecoderModel(config, None, cache, session, prepared=prepared, **on)
 
 
 def _time_side(
@@ -643,15 +662,9 @@ def attention(
     log: Callable[[str], None],
 ) -> tuple[float, list[dict[str, Any]]]:
     """(device read GB/s, decode-attention rows) (module docstring)."""
-    gib = 0.0625 if smoke else 4.0
-    bandwidth = device_read_bandwidth_gbps(session, device, gib=gib)
+    bandwidth = device_read_bandwidth_gbps(session, device, gib=attention_read_gib(smoke))
     log(f"attention: read bandwidth {bandwidth:.1f} GB/s")
-    if smoke:
-        batches, contexts = [1, 2], [64, 128]
-        shape = AttentionShape(2, 16, max_batch=2, max_context=128, page_size=16)
-    else:
-        batches, contexts = [1, 8, 32, 128], [512, 2048, 8192]
-        shape = AttentionShape(8, 128, max_batch=128, max_context=8192, dtype=DType.bfloat16)
+    shape, batches, contexts = attention_shape(smoke)
     rows = bench_attention_decode(
         session,
         device,
@@ -666,6 +679,98 @@ def attention(
     for row in rows:
         log(f"  {row}")
     return bandwidth, rows
+
+
+def attention_read_gib(smoke: bool) -> float:
+    """GiB the attention part's bandwidth measurement reads."""
+    return 0.0625 if smoke else 4.0
+
+
+def attention_shape(smoke: bool) -> tuple[AttentionShape, list[int], list[int]]:
+    """The attention part's cache shape, batches and contexts."""
+    if smoke:
+        return AttentionShape(2, 16, max_batch=2, max_context=128, page_size=16), [1, 2], [64, 128]
+    shape = AttentionShape(8, 128, max_batch=128, max_context=8192, dtype=DType.bfloat16)
+    return shape, [1, 8, 32, 128], [512, 2048, 8192]
+
+
+def use_mef_store(
+    export: Path | None, precompiled: list[Path] | None, log: Callable[[str], None]
+) -> None:
+    """Every session of this process writes each graph it compiles to ``export``,
+    or loads graphs from the artifacts in ``precompiled`` instead of compiling
+    them (MAX's ``InferenceSession.default_mef_store``; MAX's pipeline consults
+    it too).  A graph without an artifact is compiled as usual (and logged)."""
+    from max.engine._precompiled_mefs import MefStore, _default_key
+
+    if export is not None:
+        InferenceSession.default_mef_store = MefStore.for_export(export)
+        return
+    if not precompiled:
+        return
+    recorded = {
+        entry["key"]
+        for directory in precompiled
+        for entry in json.loads((directory / "manifest.json").read_text())["graphs"]
+    }
+
+    def key(graph: Graph) -> str | None:
+        name = _default_key(graph)
+        if name in recorded:
+            return name
+        log(f"  no precompiled artifact for graph {graph.name!r}: compiling it")
+        return None
+
+    InferenceSession.default_mef_store = MefStore.for_import(precompiled, key=key)
+    log(f"precompiled graphs: {len(recorded)} from {', '.join(map(str, precompiled))}")
+
+
+def export_graphs(
+    session: InferenceSession,
+    device: Device,
+    shapes: list[str],
+    batches: list[int],
+    *,
+    smoke: bool,
+    dtype: DType,
+    max_len: int,
+    workdir: Path,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Compiles the graphs of the ``attention`` and ``end_to_end`` parts without
+    running them or allocating a cache, so on a virtual device: with
+    ``--export-mefs`` a machine without a GPU compiles what a lent GPU machine
+    then loads (``--precompiled-mefs``) in seconds.  Seconds per graph."""
+    ref = DeviceRef.from_device(device)
+    rows: list[dict[str, Any]] = []
+
+    def timed(name: str, build: Callable[..., object], *args: Any) -> None:
+        start = time.perf_counter()
+        build(*args)
+        rows.append({"graph": name, "seconds": round(time.perf_counter() - start, 1)})
+        log(f"  {rows[-1]}")
+
+    shape = attention_shape(smoke)[0]
+    timed("device_read", session.load, device_read_graph(ref, attention_read_gib(smoke)))
+    timed("maxkv_decode_attention", session.load, MaxkvDecodeAttention.graph(shape, ref))
+    timed("max_paged_decode_attention", session.load, MaxPagedDecodeAttention.graph(shape, ref))
+    for name in shapes:
+        config = SHAPES[name]
+        directory, weights = write_checkpoint(config, dtype, workdir / name, device)
+        if uses_packed_kernels(ref, dtype):
+            prepared = {n: host_float32_array(w) for n, w in weights.items()}
+        else:
+            prepared = prepared_graph_weights(config, weights, dtype)
+        del weights
+        spec = CacheSpec(cache_params(config, dtype), config.num_hidden_layers)
+        timed(f"maxkv {name}", maxkv_model, config, prepared, spec, session, device, dtype)
+        del prepared
+        # The manager's own graphs (lengths increment, token copies).
+        timed(f"maxkv cache {name}", MaxCacheDevice(spec, [device], session).warm_up)
+        encoding = "bfloat16" if dtype == DType.bfloat16 else "float32"
+        gpu = not device.is_host
+        timed(f"max_pipeline {name}", MaxPipeline, directory, max(batches), max_len, gpu, encoding)
+    return rows
 
 
 def merge_into(path: Path, update: Mapping[str, Any]) -> dict[str, Any]:

@@ -61,17 +61,24 @@ def matmul_gflops(*, size: int = 2048, repeats: int = 7) -> float:
     return 2 * size**3 / seconds / 1e9
 
 
+def device_read_graph(device: DeviceRef, gib: float) -> Graph:
+    """:func:`device_read_bandwidth_gbps`' graph: row sums of float32 ``[rows, 4096]``
+    (``gib`` GiB)."""
+    cols = 4096
+    rows = max(1, int(gib * 2**30) // (4 * cols))
+    with Graph("device_read", input_types=[TensorType(DType.float32, [rows, cols], device)]) as g:
+        g.output(ops.sum(g.inputs[0].tensor, axis=-1))
+    return g
+
+
 def device_read_bandwidth_gbps(
     session: InferenceSession, device: Device, *, gib: float = 2.0, repeats: int = 9
 ) -> float:
     """GB/s of MAX's own row sum reading a float32 ``[rows, 4096]`` tensor of ``gib``
     GiB once, on any device (a GPU's HBM; the decode-attention goal's yardstick)."""
-    cols = 4096
-    rows = max(1, int(gib * 2**30) // (4 * cols))
-    ref = DeviceRef.from_device(device)
-    with Graph("device_read", input_types=[TensorType(DType.float32, [rows, cols], ref)]) as g:
-        g.output(ops.sum(g.inputs[0].tensor, axis=-1))
-    model = session.load(g)
+    graph = device_read_graph(DeviceRef.from_device(device), gib)
+    model = session.load(graph)
+    rows, cols = (int(d) for d in graph.inputs[0].tensor.shape)
     data = Buffer.zeros([rows, cols], DType.float32, device=device)
 
     def read() -> None:
