@@ -108,7 +108,7 @@ payload)
     tar -C "$work/kernels" -cf "$here/.gpu/b/kernels.tar" --exclude='.staging*' .
     # The study's graphs for an H100/H200 (sm_90a), compiled on virtual devices.
     (cd "$here/benchmarks" && python3 gpu_study.py --device virtual --target cuda:sm_90a \
-        --parts export --export-mefs "$work/mefs" --json "$work/export.json")
+        --parts export --shapes smollm2 --export-mefs "$work/mefs" --json "$work/export.json")
     (cd "$work/mefs" && tar -cf - . | xz -6 -T0 >"$here/.gpu/c/mefs.tar.xz")
     rm -rf "$work"
     du -sh "$here"/.gpu/*

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -363,21 +364,24 @@ def telling_lines(text: str, limit: int = 12) -> str:
 # ------------------------------------------------------------ checkpoints
 
 
+def torch_sees_a_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def hf_random_weights(config: DecoderConfig, device: Device, seed: int = 0) -> dict[str, Any]:
     """:func:`~maxkv.models.config.random_weights`' recipe; ``torch`` tensors on the
     GPU when torch sees one (8B parameters in seconds), float32 NumPy otherwise."""
-    if not device.is_host:
-        try:
-            import torch
+    if not device.is_host and torch_sees_a_gpu():
+        import torch
 
-            if torch.cuda.is_available():
-                generator = torch.Generator(device="cuda").manual_seed(seed)
-                return random_weight_recipe(
-                    config,
-                    lambda shape: torch.randn(shape, generator=generator, device="cuda"),
-                )
-        except ImportError:
-            pass
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        return random_weight_recipe(
+            config, lambda shape: torch.randn(shape, generator=generator, device="cuda")
+        )
     rng = np.random.default_rng(seed)
     weights = random_weight_recipe(config, lambda shape: rng.standard_normal(shape, np.float32))
     return {name: np.asarray(w, np.float32) for name, w in weights.items()}
@@ -756,6 +760,14 @@ def export_graphs(
     timed("max_paged_decode_attention", session.load, MaxPagedDecodeAttention.graph(shape, ref))
     for name in shapes:
         config = SHAPES[name]
+        # Without a GPU torch draws the weights in host memory, as float32.
+        needed = 4 * sum(math.prod(shape) for shape in config.weight_shapes().values())
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if not torch_sees_a_gpu() and 2 * needed > memory:
+            raise SystemExit(
+                f"exporting {name} draws {needed / 2**30:.0f} GiB of weights in this "
+                f"machine's {memory / 2**30:.0f} GiB: choose --shapes smollm2"
+            )
         directory, weights = write_checkpoint(config, dtype, workdir / name, device)
         if uses_packed_kernels(ref, dtype):
             prepared = {n: host_float32_array(w) for n, w in weights.items()}
