@@ -130,8 +130,10 @@ study)
     cd "$here/benchmarks"
     kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z)
     results="$OUT/gpu_${kind:-unknown}.json"
+    # The artifacts' host code was compiled on this project's AMD machine; should
+    # the machine's CPU refuse it (SIGILL), NO_MEFS=1 compiles there instead.
     mefs=()
-    [ -f /tmp/mefs/manifest.json ] && mefs=(--precompiled-mefs /tmp/mefs)
+    [ -f /tmp/mefs/manifest.json ] && [ -z "${NO_MEFS:-}" ] && mefs=(--precompiled-mefs /tmp/mefs)
     start=$SECONDS
     timeout "${ATTENTION_S:-150}" python3 gpu_study.py --json "$results" --parts attention \
         "${mefs[@]}" >"$OUT/attention.log" 2>&1
