@@ -142,7 +142,7 @@ study)
         --shapes smollm2 "${mefs[@]}" >"$OUT/end_to_end.log" 2>&1
     echo "end_to_end: rc $? at $((SECONDS - start)) s"
     cd "$here"
-    timeout "${PYTEST_S:-150}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
         >"$OUT/pytest_gpu.log" 2>&1
     echo "pytest -m gpu: rc $? at $((SECONDS - start)) s"
     tail -n 3 "$OUT/pytest_gpu.log"

@@ -5,6 +5,9 @@
   ``tests/reference.py``.
 - A two-layer Llama through the scheduler: the greedy tokens of
   :func:`maxkv.models.reference.greedy_reference`.
+- fork, pop_n and copy-on-write on both caches: the rows maxkv's copy kernel
+  copies on the device equal their sources, and nothing else changes (the same
+  body passes on the CPU).
 
 ``pytest -m gpu`` on a machine with a GPU runs them; each graph compiles on
 the device first (minutes).
@@ -118,3 +121,63 @@ def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) ->
         scheduler.submit(prompt, 6)
     outputs, _ = scheduler.run()
     assert outputs == [greedy_reference(config, weights, p, 6) for p in prompts]
+
+
+#: Rows no sequence has written: copies must leave them alone.
+SENTINEL = -7.0
+
+
+def _device_rows(buffer: Buffer) -> np.ndarray:
+    return buffer.to(CPU()).to_numpy()
+
+
+def check_fork_and_pop_n_copy_rows(device: Device) -> None:
+    """fork (a partial page or a slot copied by maxkv's copy kernel), pop_n, then
+    copy-on-write of a shared page, on ``device``'s caches: every copied row equals
+    its source bit for bit, and no other row changes."""
+    session = InferenceSession(devices=[CPU(), device])
+    params = KVCacheParams(DType.float32, 2, 16)
+    rng = np.random.default_rng(3)
+
+    contiguous = ContinuousBatchingKVCacheManager(params, 4, 16, 2, [device], session)
+    (parent,) = contiguous.claim(1)
+    host = np.full(contiguous.block_shape(4), SENTINEL, np.float32)
+    host[parent, :, :, :10] = rng.standard_normal(host[parent, :, :, :10].shape)
+    contiguous._blocks[0].inplace_copy_from(Buffer.from_numpy(host).to(device))
+    contiguous.step({parent: 10})
+    child = contiguous.fork(parent, 6)
+    view = _device_rows(contiguous._blocks[0])
+    np.testing.assert_array_equal(view[child, :, :, :6], host[parent, :, :, :6])
+    assert (view[child, :, :, 6:] == SENTINEL).all(), "nothing past fork_pos is written"
+    np.testing.assert_array_equal(view[parent], host[parent])
+    contiguous.pop_n(parent, 4)
+    assert contiguous.cache_lengths == {parent: 6, child: 6}
+
+    paged = PagedKVCacheManager(params, 4, 16, 4, 16, 2, [device], session)
+    (parent,) = paged.claim(1)
+    paged.fetch([parent], active_lengths=[10])
+    host = np.full(paged.pages_shape(16), SENTINEL, np.float32)
+    parent_pages = paged.pages(parent)
+    for t in range(10):
+        host[parent_pages[t // 4], :, :, t % 4] = rng.standard_normal(host[0, :, :, 0].shape)
+    paged._pages[0].inplace_copy_from(Buffer.from_numpy(host).to(device))
+    paged.step({parent: 10})
+    child = paged.fork(parent, 6)  # page 0 shared, tokens 4-5 copied into a new page
+    child_pages = paged.pages(child)
+    assert child_pages[0] == parent_pages[0] and child_pages[1] != parent_pages[1]
+    view = _device_rows(paged._pages[0])
+    np.testing.assert_array_equal(view[child_pages[1], :, :, :2], host[parent_pages[1], :, :, :2])
+    assert (view[child_pages[1], :, :, 2:] == SENTINEL).all()
+    np.testing.assert_array_equal(view[parent_pages[0]], host[parent_pages[0]])
+
+    paged.pop_n(parent, 8)  # 10 -> 2 tokens, inside the shared page 0
+    paged.fetch([parent], active_lengths=[1])  # writing token 2 copies page 0 first
+    own = paged.pages(parent)[0]
+    assert own != child_pages[0] and paged.page_refcount(child_pages[0]) == 1
+    view = _device_rows(paged._pages[0])
+    np.testing.assert_array_equal(view[own, :, :, :2], host[parent_pages[0], :, :, :2])
+    np.testing.assert_array_equal(view[child_pages[0]], host[parent_pages[0]])
+
+
+def test_fork_pop_n_and_copy_on_write_copy_rows_on_the_gpu(gpu: Device) -> None:
+    check_fork_and_pop_n_copy_rows(gpu)
