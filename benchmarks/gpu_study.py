@@ -12,9 +12,13 @@ the compile-only parts, ``reduce`` and ``compile``, run on any machine, MAX's
 own pipeline included (what ``max warm-cache --target`` does).  The other two
 parts need a real device.
 
-Parts (``--parts``, default all, in this order): ``reduce``, ``compile``,
-``attention``, ``end_to_end``; see ``maxkv_bench/gpu.py`` for what each
-measures.  Every part merges its results into ``--json`` as it finishes, so a
+Parts (``--parts``, default all but ``export``, in this order): ``reduce``,
+``compile``, ``export``, ``attention``, ``end_to_end``; see
+``maxkv_bench/gpu.py`` for what each measures.  ``export`` (with
+``--export-mefs``, on virtual devices) compiles the graphs of ``attention``
+and ``end_to_end`` here; ``--precompiled-mefs`` there loads them instead of
+compiling (``benchmarks/gpu_machine.sh`` carries everything to a lent GPU
+machine).  Every part merges its results into ``--json`` as it finishes, so a
 study that takes more than one device call (each call is cut at 10 minutes)
 runs part by part, or shape by shape, into one file: the required fields are
 ``end_to_end`` rows (``shape, layers, batch, maxkv_tokens_per_s,
@@ -125,7 +129,8 @@ def main() -> int:
     args = parse_args()
     if args.compile_variant:
         return compile_one(args)
-    default_parts = ("reduce", "compile") if args.device == "virtual" else gpu.PARTS
+    measuring = tuple(p for p in gpu.PARTS if p != "export")
+    default_parts = ("reduce", "compile") if args.device == "virtual" else measuring
     parts = [p for p in (args.parts or ",".join(default_parts)).split(",") if p]
     unknown = sorted(set(parts) - set(gpu.PARTS))
     if unknown:

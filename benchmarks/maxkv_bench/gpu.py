@@ -712,6 +712,7 @@ def use_mef_store(
         return
     if not precompiled:
         return
+    MefStore.for_import(precompiled)  # MAX's own errors for a folder it did not write
     recorded = {
         entry["key"]
         for directory in precompiled
