@@ -2,7 +2,7 @@
 # The GPU study on a lent machine that has no MAX and no network, and whose
 # time is short: everything is compiled here, nothing there.
 #
-# Here (a machine with pip; about 30 minutes on 2 cores):
+# Here (maxkv's venv active, pip reaching PyPI; about 15 minutes on 2 cores):
 #   bash benchmarks/gpu_machine.sh payload
 # builds .gpu/a, .gpu/b and .gpu/c, each under one call's 64 MiB (.gpu/ must be ignored,
 # .git/info/exclude):
