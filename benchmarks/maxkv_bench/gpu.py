@@ -118,6 +118,12 @@ SHAPES: dict[str, DecoderConfig] = {
 
 DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
 
+
+def dtype_name(dtype: DType) -> str:
+    """``dtype``'s name in :data:`DTYPES` (a checkpoint's ``torch_dtype``, MAX's encoding)."""
+    return next(name for name, known in DTYPES.items() if known == dtype)
+
+
 #: How a compile subprocess marks its one result line on stdout (MAX logs there too).
 RESULT_MARK = "MAXKV_RESULT "
 
@@ -399,7 +405,7 @@ def write_checkpoint(
 
     directory.mkdir(parents=True, exist_ok=True)
     weights = hf_random_weights(config, device)
-    name = "bfloat16" if dtype == DType.bfloat16 else "float32"
+    name = dtype_name(dtype)
     if isinstance(next(iter(weights.values())), np.ndarray):
         if dtype == DType.bfloat16:
             stored = {n: bfloat16_bits(w) for n, w in weights.items()}
@@ -507,10 +513,7 @@ def end_to_end(
         max_len = prompt_len + new_tokens + num_steps
         log(f"end to end {shape}: writing the checkpoint ...")
         directory, weights = write_checkpoint(config, dtype, workdir / shape, device)
-        if uses_packed_kernels(DeviceRef.from_device(device), dtype):  # float32 on the CPU
-            prepared = {n: host_float32_array(w) for n, w in weights.items()}
-        else:
-            prepared = prepared_graph_weights(config, weights, dtype)
+        prepared = maxkv_weights(config, weights, dtype, device)
         reference_weights = None
         if shape != "llama3_8b":  # small enough for the float64 reference
             reference_weights = {n: host_float32_array(w) for n, w in weights.items()}
@@ -534,8 +537,7 @@ def end_to_end(
         _release_torch_memory()
         log(f"end to end {shape}: loading MAX's pipeline ...")
         start = time.perf_counter()
-        encoding = "bfloat16" if dtype == DType.bfloat16 else "float32"
-        theirs = MaxPipeline(directory, max(batches), max_len, gpu, encoding)
+        theirs = MaxPipeline(directory, max(batches), max_len, gpu, dtype_name(dtype))
         max_compile_s = time.perf_counter() - start
         max_rows = _time_side(
             lambda p, side=theirs: side.run(p, new_tokens), prompts, batches, repeats
@@ -598,6 +600,17 @@ def _maxkv_side(
     compile_s = time.perf_counter() - start
     rows = _time_side(lambda p: ours.run(p, new_tokens, num_steps), prompts, batches, repeats)
     return rows, compile_s
+
+
+def maxkv_weights(
+    config: DecoderConfig, weights: Mapping[str, Any], dtype: DType, device: Device
+) -> dict[str, Any]:
+    """What :func:`maxkv_model` takes from a checkpoint's weights: Hugging Face
+    ones as float32 NumPy where maxkv packs them (float32 on the CPU), else the
+    graph weights (:func:`prepared_graph_weights`)."""
+    if uses_packed_kernels(DeviceRef.from_device(device), dtype):
+        return {n: host_float32_array(w) for n, w in weights.items()}
+    return prepared_graph_weights(config, weights, dtype)
 
 
 def maxkv_model(
@@ -770,19 +783,16 @@ def export_graphs(
                 f"machine's {memory / 2**30:.0f} GiB: choose --shapes smollm2"
             )
         directory, weights = write_checkpoint(config, dtype, workdir / name, device)
-        if uses_packed_kernels(ref, dtype):
-            prepared = {n: host_float32_array(w) for n, w in weights.items()}
-        else:
-            prepared = prepared_graph_weights(config, weights, dtype)
+        prepared = maxkv_weights(config, weights, dtype, device)
         del weights
         spec = CacheSpec(cache_params(config, dtype), config.num_hidden_layers)
         timed(f"maxkv {name}", maxkv_model, config, prepared, spec, session, device, dtype)
         del prepared
         # The manager's own graphs (lengths increment, token copies).
         timed(f"maxkv cache {name}", MaxCacheDevice(spec, [device], session).warm_up)
-        encoding = "bfloat16" if dtype == DType.bfloat16 else "float32"
         gpu = not device.is_host
-        timed(f"max_pipeline {name}", MaxPipeline, directory, max(batches), max_len, gpu, encoding)
+        pipeline_args = (directory, max(batches), max_len, gpu, dtype_name(dtype))
+        timed(f"max_pipeline {name}", MaxPipeline, *pipeline_args)
     return rows
 
 
