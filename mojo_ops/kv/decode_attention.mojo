@@ -44,7 +44,8 @@ from max.algorithm import sync_parallelize
 from max.runtime.asyncrt import parallelism_level
 from std.math import exp
 from std.memory import alloc
-from std.sys import simd_width_of
+from std.sys import simd_width_of, size_of
+from std.sys.intrinsics import PrefetchOptions, prefetch
 
 from .encoding import HeadCodec
 from .kv_trait import MaxkvKVCollection
@@ -61,8 +62,186 @@ comptime MIN_SPLIT = 256
 """Fewest tokens in one context split."""
 comptime NEG = Float32(-1.0e30)
 """Running-max start and score padding: `exp(NEG - m)` is 0 for any real score `m`."""
+comptime SKIP = Float32(-80.0)
+"""A score this far below the running max has probability 0 (`e^-80` is
+1.8e-35: below it, probabilities and their products turn subnormal)."""
 comptime F32Ptr = UnsafePointer[Float32, MutUntrackedOrigin]
 comptime IntPtr = UnsafePointer[Int, MutUntrackedOrigin]
+
+
+comptime ACC_VECTORS = 16 if W >= 16 else 8
+"""float32 vectors of query rows (or accumulators) a decode item keeps in
+registers at once: half of AVX-512's 32 registers, or of AVX2's 16."""
+
+
+def rows_at_once[head_dim: Int]() -> Int:
+    """Query rows of one KV head a decode item runs together (`_decode_rows`)."""
+    return max(1, min(MAX_GROUP, ACC_VECTORS // (head_dim // W)))
+
+
+@always_inline
+def _prefetch_bytes[n: Int](p: UnsafePointer[UInt8, MutUntrackedOrigin]):
+    """Asks for the cache lines of `p[0 : n]` (a prefetch faults on no address)."""
+    comptime for o in range(0, n + 63, 64):
+        prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
+            p.unsafe_offset(min(o, n - 1))
+        )
+
+
+@always_inline
+def _row_ptrs[C: MaxkvKVCollection](
+    kv: C,
+    layer: Int,
+    b: Int,
+    t: Int,
+    n: Int,
+    k_rows: UnsafePointer[UnsafePointer[Scalar[C.View.dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+    v_rows: UnsafePointer[UnsafePointer[Scalar[C.View.dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+):
+    """`k_rows[j]` / `v_rows[j]`: the K and V rows of token `t + j` of sequence `b`, `j < n`."""
+    for j in range(n):
+        k_rows[unsafe_offset=j] = kv.row_ptr(0, layer, b, t + j)
+        v_rows[unsafe_offset=j] = kv.row_ptr(1, layer, b, t + j)
+
+
+def _pow2_at_least(n: Int) -> Int:
+    """The smallest power of two >= `n` (n >= 1)."""
+    var p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@always_inline
+def _lane_sums[N: Int](x: SIMD[DType.float32, N]) -> SIMD[DType.float32, W]:
+    """Lane `i`: the sum of lanes `i * N / W ..< (i + 1) * N / W` of `x`.
+
+    `x` holds `W` vectors of `W` partial sums back to back; the result holds
+    their `W` totals, by `log2(W)` rounds of adding adjacent lanes (two
+    shuffles and an add per result vector), not one horizontal sum each.
+    """
+    comptime if N == W:
+        return rebind[SIMD[DType.float32, W]](x)
+    else:
+        var pairs = x.deinterleave()
+        return _lane_sums[N // 2](rebind[SIMD[DType.float32, N // 2]](pairs[0] + pairs[1]))
+
+
+@always_inline
+def _softmax_block(row: F32Ptr, n: Int, m: F32Ptr, l: F32Ptr, acc: F32Ptr, width: Int):
+    """Online softmax of one query row over one block of keys.
+
+    `row[0 : n]` holds the block's scores (`row[n : BLOCK]` is padding); they
+    become probabilities against the new running max `m[0]`, their sum is
+    added to `l[0]` and the accumulator row `acc[0 : width]` is rescaled.  A
+    row with nothing visible in this block adds nothing (all zero).
+    """
+    for j in range(n, BLOCK):
+        row[unsafe_offset=j] = NEG
+    var block_max = SIMD[DType.float32, W](NEG)
+    comptime for j in range(0, BLOCK, W):
+        block_max = max(block_max, row.unsafe_load[width=W](j))
+    var top = block_max.reduce_max()
+    if top == NEG:
+        comptime for j in range(0, BLOCK, W):
+            row.unsafe_store(j, SIMD[DType.float32, W](0))
+        return
+    var m_old = m[unsafe_offset=0]
+    var m_new = max(m_old, top)
+    var sum = SIMD[DType.float32, W](0)
+    comptime for j in range(0, BLOCK, W):
+        var x = row.unsafe_load[width=W](j) - m_new
+        # Below e^-80 a probability is 0: subnormal ones would slow every
+        # multiply-add they enter, for nothing float32's sums can show.
+        var p = x.lt(SKIP).select(SIMD[DType.float32, W](0), exp(max(x, SKIP)))
+        row.unsafe_store(j, p)
+        sum += p
+    var alpha = exp(m_old - m_new)
+    l[unsafe_offset=0] = l[unsafe_offset=0] * alpha + sum.reduce_add()
+    m[unsafe_offset=0] = m_new
+    if alpha != 1:
+        for d in range(0, width, W):
+            var a = acc.unsafe_offset(d)
+            a.unsafe_store(0, a.unsafe_load[width=W](0) * alpha)
+
+
+@always_inline
+def _decode_rows[R: Int, head_dim: Int, dtype: DType](
+    k_rows: UnsafePointer[UnsafePointer[Scalar[dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+    v_rows: UnsafePointer[UnsafePointer[Scalar[dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+    n: Int,
+    k_next: UnsafePointer[UnsafePointer[Scalar[dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+    v_next: UnsafePointer[UnsafePointer[Scalar[dtype], MutUntrackedOrigin], MutUntrackedOrigin],
+    n_next: Int,
+    head: Int,
+    q: F32Ptr,
+    acc: F32Ptr,
+    scores: F32Ptr,
+    m: F32Ptr,
+    l: F32Ptr,
+    work: F32Ptr,
+):
+    """One block of `n` keys for `R` query rows of one KV head of a decode item.
+
+    `k_rows[j]` / `v_rows[j]` are key `j`'s K and V rows (`[kv_heads,
+    width]`); `q` / `acc` the rows' (scaled, rotated) queries and
+    accumulators (`[R, head_dim]`), `scores` their score rows (`[R, BLOCK]`),
+    `m` / `l` their running max and sum; `work` holds `R x W x W` partial sums
+    then `2 x BLOCK` scales.  The queries and the accumulators stay in
+    registers across the block: each K and V head row is decoded once for
+    the `R` rows, a score's dot product is left as `W` partial sums and `W`
+    keys' sums are finished together (`_lane_sums`).
+    """
+    comptime Codec = HeadCodec[dtype, head_dim]
+    comptime slice_bytes = Codec.width * size_of[dtype]()
+    comptime P = _pow2_at_least(R)  # SIMD lengths are powers of two: rows R ..< P are unused
+    var parts = work
+    var k_scales = work.unsafe_offset(R * W * W)
+    var v_scales = k_scales.unsafe_offset(BLOCK)
+    var at = head * Codec.width
+    comptime if Codec.row_scaled:
+        for j in range(n):
+            k_scales[unsafe_offset=j] = Codec.scale(k_rows[unsafe_offset=j].unsafe_offset(at))
+            v_scales[unsafe_offset=j] = Codec.scale(v_rows[unsafe_offset=j].unsafe_offset(at))
+        for j in range(n, BLOCK):
+            k_scales[unsafe_offset=j] = 0
+            v_scales[unsafe_offset=j] = 0
+    # Scores, W keys at a time.
+    var qv = SIMD[DType.float32, P * head_dim](0)
+    comptime for i in range(R):
+        qv = qv.insert[offset=i * head_dim](q.unsafe_load[width=head_dim](i * head_dim))
+    for j0 in range(0, n, W):
+        for jj in range(min(W, n - j0)):
+            var j = j0 + jj
+            if j < n_next:
+                _prefetch_bytes[slice_bytes](k_next[unsafe_offset=j].unsafe_offset(at).unsafe_bitcast[UInt8]())
+                _prefetch_bytes[slice_bytes](v_next[unsafe_offset=j].unsafe_offset(at).unsafe_bitcast[UInt8]())
+            var key = Codec.load(k_rows[unsafe_offset=j].unsafe_offset(at))
+            comptime for i in range(R):
+                var dot = qv.slice[head_dim, offset=i * head_dim]() * key
+                parts.unsafe_store((i * W + jj) * W, dot.reduce_add[W]())
+        comptime for i in range(R):
+            var sums = _lane_sums(parts.unsafe_load[width=W * W](i * W * W))
+            comptime if Codec.row_scaled:
+                sums *= k_scales.unsafe_load[width=W](j0)
+            scores.unsafe_store(i * BLOCK + j0, sums)
+    for i in range(R):
+        var row = scores.unsafe_offset(i * BLOCK)
+        _softmax_block(row, n, m.unsafe_offset(i), l.unsafe_offset(i), acc.unsafe_offset(i * head_dim), head_dim)
+        comptime if Codec.row_scaled:  # fold each value's scale into its probability
+            comptime for j in range(0, BLOCK, W):
+                row.unsafe_store(j, row.unsafe_load[width=W](j) * v_scales.unsafe_load[width=W](j))
+    # Values: the R accumulator rows in registers.
+    var av = SIMD[DType.float32, P * head_dim](0)
+    comptime for i in range(R):
+        av = av.insert[offset=i * head_dim](acc.unsafe_load[width=head_dim](i * head_dim))
+    for j in range(n):
+        var value = Codec.load(v_rows[unsafe_offset=j].unsafe_offset(at))
+        comptime for i in range(R):
+            var p = SIMD[DType.float32, head_dim](scores[unsafe_offset=i * BLOCK + j])
+            av = av.insert[offset=i * head_dim](p.fma(value, av.slice[head_dim, offset=i * head_dim]()))
+    comptime for i in range(R):
+        acc.unsafe_store(i * head_dim, av.slice[head_dim, offset=i * head_dim]())
 
 
 @always_inline
@@ -120,6 +299,8 @@ def cpu_attention[
     `cpu_attention_applies` was true.
     """
     comptime Codec = HeadCodec[C.View.dtype, head_dim]
+    comptime R = rows_at_once[head_dim]()
+    comptime RowPtrs = UnsafePointer[Codec.Ptr, MutUntrackedOrigin]
     comptime unrotate = Float32(1) / Float32(Codec.rotation_block)  # H H = rotation_block x I
     var batch = kv.batch()
     var q_heads = q.dim_size(1)
@@ -179,8 +360,9 @@ def cpu_attention[
         MutUntrackedOrigin
     ]()
 
-    def run_item(b: Int, i: Int, buf: F32Ptr) {imm}:
-        """Item `i` of sequence `b`, all heads; `buf` is this task's work memory."""
+    def run_item(b: Int, i: Int, buf: F32Ptr, k_rows: RowPtrs, v_rows: RowPtrs) {imm}:
+        """Item `i` of sequence `b`, all heads; `buf`, `k_rows` and `v_rows`
+        are this task's work memory."""
         comptime rows_max = QB
         var n_items = first[unsafe_offset=b + 1] - first[unsafe_offset=b]
         var decode = new_tokens(b) == 1
@@ -201,6 +383,7 @@ def cpu_attention[
         var scores = acc.unsafe_offset(rows_max * q_heads * head_dim)
         var m = scores.unsafe_offset(rows_max * q_heads * BLOCK)
         var l = m.unsafe_offset(rows_max * q_heads)
+        var work = l.unsafe_offset(rows_max * q_heads)
         var src = qp.unsafe_offset((row0[unsafe_offset=b] + t0) * q_heads * head_dim)
         for r in range(rows):
             comptime for d in range(0, head_dim, W):
@@ -213,7 +396,49 @@ def cpu_attention[
                 var row = qbuf.unsafe_load[width=head_dim](r * head_dim)
                 qbuf.unsafe_store(r * head_dim, Codec.rotate(row) * unrotate)
         var t = start
-        while t < end:
+        # A decoding item: blocks of keys, each KV head's query rows R at a
+        # time (`_decode_rows`); every key of the item is visible.  The row
+        # pointers of the next block are ready before a block starts, so each
+        # head's pass asks for its slice of the next block's rows as it reads
+        # this one's: a pass reads a third of each row with a stride, which
+        # the hardware prefetchers follow badly.
+        var cur = 0
+        if decode:
+            _row_ptrs(kv, layer, b, t, min(BLOCK, end - t), k_rows, v_rows)
+        while decode and t < end:
+            var n = min(BLOCK, end - t)
+            var n_next = min(BLOCK, end - t - n)
+            var k_cur = k_rows.unsafe_offset(cur * BLOCK)
+            var v_cur = v_rows.unsafe_offset(cur * BLOCK)
+            var k_next = k_rows.unsafe_offset((1 - cur) * BLOCK)
+            var v_next = v_rows.unsafe_offset((1 - cur) * BLOCK)
+            _row_ptrs(kv, layer, b, t + n, n_next, k_next, v_next)
+            for h in range(kv_heads):
+                var g = 0
+                while g < group:
+                    var r = h * group + g
+                    var c = min(R, group - g)
+                    comptime for cr in range(1, R + 1):
+                        if c == cr:
+                            _decode_rows[cr, head_dim, C.View.dtype](
+                                k_cur,
+                                v_cur,
+                                n,
+                                k_next,
+                                v_next,
+                                n_next if g == 0 else 0,
+                                h,
+                                qbuf.unsafe_offset(r * head_dim),
+                                acc.unsafe_offset(r * head_dim),
+                                scores.unsafe_offset(r * BLOCK),
+                                m.unsafe_offset(r),
+                                l.unsafe_offset(r),
+                                work,
+                            )
+                    g += c
+            cur = 1 - cur
+            t += n
+        while not decode and t < end:
             var n = min(BLOCK, end - t)
             # Scores: each K row ([kv_heads, head_dim], contiguous) read and
             # decoded once, for every query row of its group.
@@ -244,31 +469,14 @@ def cpu_attention[
             # Online softmax: scores become probabilities against the new max;
             # a row with nothing visible in this block adds nothing.
             for r in range(rows):
-                var row = scores.unsafe_offset(r * BLOCK)
-                for j in range(n, BLOCK):
-                    row[unsafe_offset=j] = NEG
-                var block_max = SIMD[DType.float32, W](NEG)
-                comptime for j in range(0, BLOCK, W):
-                    block_max = max(block_max, row.unsafe_load[width=W](j))
-                var top = block_max.reduce_max()
-                if top == NEG:
-                    comptime for j in range(0, BLOCK, W):
-                        row.unsafe_store(j, SIMD[DType.float32, W](0))
-                    continue
-                var m_old = m[unsafe_offset=r]
-                var m_new = max(m_old, top)
-                var sum = SIMD[DType.float32, W](0)
-                comptime for j in range(0, BLOCK, W):
-                    var p = exp(row.unsafe_load[width=W](j) - m_new)
-                    row.unsafe_store(j, p)
-                    sum += p
-                var alpha = exp(m_old - m_new)
-                l[unsafe_offset=r] = l[unsafe_offset=r] * alpha + sum.reduce_add()
-                m[unsafe_offset=r] = m_new
-                if alpha != 1:
-                    comptime for d in range(0, head_dim, W):
-                        var a = acc.unsafe_offset(r * head_dim + d)
-                        a.unsafe_store(0, a.unsafe_load[width=W](0) * alpha)
+                _softmax_block(
+                    scores.unsafe_offset(r * BLOCK),
+                    n,
+                    m.unsafe_offset(r),
+                    l.unsafe_offset(r),
+                    acc.unsafe_offset(r * head_dim),
+                    head_dim,
+                )
             # Values: each V row read and decoded once, into every query row of its group.
             for j in range(n):
                 var v_row = kv.row_ptr(1, layer, b, t + j)
@@ -310,19 +518,23 @@ def cpu_attention[
 
     # Items in (sequence, item) order, a contiguous range per task.
     var tasks = max(1, min(items, 4 * workers))
-    # qbuf, acc, scores, m, l.
-    var buf_size = QB * q_heads * (2 * head_dim + BLOCK + 2)
+    # qbuf, acc, scores, m, l, then `_decode_rows`' partial sums and scales.
+    var buf_size = QB * q_heads * (2 * head_dim + BLOCK + 2) + R * W * W + 2 * BLOCK
 
     def work(task: Int) {imm}:
         var lo = task * items // tasks
         var hi = (task + 1) * items // tasks
         var buf = alloc[Float32](buf_size).unsafe_origin_cast[MutUntrackedOrigin]()
+        var k_rows = alloc[Codec.Ptr](2 * BLOCK).unsafe_origin_cast[MutUntrackedOrigin]()
+        var v_rows = alloc[Codec.Ptr](2 * BLOCK).unsafe_origin_cast[MutUntrackedOrigin]()
         var b = 0
         for i in range(lo, hi):
             while first[unsafe_offset=b + 1] <= i:
                 b += 1
-            run_item(b, i - first[unsafe_offset=b], buf)
+            run_item(b, i - first[unsafe_offset=b], buf, k_rows, v_rows)
         buf.unsafe_free()
+        k_rows.unsafe_free()
+        v_rows.unsafe_free()
 
     sync_parallelize(work, tasks)
 
