@@ -27,7 +27,11 @@ item and converted from the cache's encoding to float32 in the inner loop
 (no converted copy of the cache is made; a quantized encoding's rows are
 stored rotated, so each query row is rotated before and each output row
 after: `HeadCodec.rotate`); an online softmax (running max
-`m`, running sum `l`, rescaled accumulator) keeps the state.  Decode
+`m`, running sum `l`, rescaled accumulator) keeps the state.  A decoding
+item with several query heads per KV head takes each KV head in turn
+(`_decode_rows`): its query rows and accumulators stay in registers for
+the block, a head row is decoded once for all of them, and `W` scores are
+finished together instead of one horizontal sum each.  Decode
 contexts are cut into splits of `max(MIN_SPLIT, total tokens / (4 x
 workers))` tokens, so one long sequence still keeps every worker busy; a
 sequence with several splits leaves each split's `(m, l, acc)` in scratch
@@ -396,22 +400,26 @@ def cpu_attention[
                 var row = qbuf.unsafe_load[width=head_dim](r * head_dim)
                 qbuf.unsafe_store(r * head_dim, Codec.rotate(row) * unrotate)
         var t = start
-        # A decoding item: blocks of keys, each KV head's query rows R at a
-        # time (`_decode_rows`); every key of the item is visible.  The row
-        # pointers of the next block are ready before a block starts, so each
-        # head's pass asks for its slice of the next block's rows as it reads
-        # this one's: a pass reads a third of each row with a stride, which
-        # the hardware prefetchers follow badly.
-        var cur = 0
-        if decode:
+        # A decoding item of grouped queries: blocks of keys, each KV head's
+        # query rows R at a time (`_decode_rows`); every key of the item is
+        # visible.  The next block's row pointers are ready before a block
+        # starts, so each head's pass asks for its slice of the next block as
+        # it reads this one's (a pass reads its slice of each row with a
+        # stride, which the hardware prefetchers follow badly).  With one
+        # query head per KV head there is nothing to share a decoded row
+        # with, and the per-head passes measured slower than the loop below,
+        # which streams whole rows.
+        var by_head = decode and group > 1
+        if by_head:
             _row_ptrs(kv, layer, b, t, min(BLOCK, end - t), k_rows, v_rows)
-        while decode and t < end:
+        var slot = 0
+        while by_head and t < end:
             var n = min(BLOCK, end - t)
             var n_next = min(BLOCK, end - t - n)
-            var k_cur = k_rows.unsafe_offset(cur * BLOCK)
-            var v_cur = v_rows.unsafe_offset(cur * BLOCK)
-            var k_next = k_rows.unsafe_offset((1 - cur) * BLOCK)
-            var v_next = v_rows.unsafe_offset((1 - cur) * BLOCK)
+            var k_cur = k_rows.unsafe_offset(slot * BLOCK)
+            var v_cur = v_rows.unsafe_offset(slot * BLOCK)
+            var k_next = k_rows.unsafe_offset((1 - slot) * BLOCK)
+            var v_next = v_rows.unsafe_offset((1 - slot) * BLOCK)
             _row_ptrs(kv, layer, b, t + n, n_next, k_next, v_next)
             for h in range(kv_heads):
                 var g = 0
@@ -436,9 +444,9 @@ def cpu_attention[
                                 work,
                             )
                     g += c
-            cur = 1 - cur
+            slot = 1 - slot
             t += n
-        while not decode and t < end:
+        while not by_head and t < end:
             var n = min(BLOCK, end - t)
             # Scores: each K row ([kv_heads, head_dim], contiguous) read and
             # decoded once, for every query row of its group.
