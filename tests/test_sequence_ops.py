@@ -368,3 +368,85 @@ def test_n_completions_fork_after_the_prompt(session: InferenceSession) -> None:
     assert run(1.5, 5)[0] == sampled  # the same seeds, the same completions
     assert all(len({tuple(c) for c in completions}) > 1 for completions in sampled)
     assert run(1.5, 6)[0] != sampled
+
+
+@pytest.mark.compile
+def test_head_at_given_rows_reads_every_drafted_position(session: InferenceSession) -> None:
+    """A ``head_rows="given"`` model returns the logits (and tokens) of the
+    rows it is told: every position of a prompt and of a sequence with
+    drafts appended, as speculative decoding checks them, against the
+    float64 reference at each position; then a rejected draft is popped and
+    decoding goes on as if it had never been appended."""
+    from maxkv.models.config import default_llama
+    from maxkv.models.decoder import cache_params
+    from maxkv.models.reference import greedy_reference, logits_reference
+
+    config, weights = default_llama()
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), 2, 40, config.num_hidden_layers, [CPU()], session
+    )
+    model = DecoderModel(config, weights, manager, session, output="logits", head_rows="given")
+    prompts = [[1, 15, 27, 99, 4, 8], [1, 200, 3]]
+    seqs = manager.claim(len(prompts))
+    tokens = np.concatenate(prompts).astype(np.int64)
+    lengths = [len(p) for p in prompts]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+    rows = np.array([0, 2, 5, 6, 8, 7], dtype=np.int64)  # any rows, in any order
+    (inputs,) = manager.fetch(seqs, active_lengths=lengths)
+    got = model.execute(
+        Buffer.from_numpy(tokens), Buffer.from_numpy(offsets), inputs, Buffer.from_numpy(rows)
+    ).to_numpy()
+    assert got.shape == (len(rows), config.vocab_size)
+    flat = [(b, i) for b, p in enumerate(prompts) for i in range(len(p))]
+    for row, logits in zip(rows, got, strict=True):
+        b, i = flat[row]
+        want = logits_reference(config, weights, prompts[b][: i + 1])
+        assert np.abs(logits - want).max() < 1e-3 * np.abs(want).max()
+    # The tokens graph (the greedy head where the CPU has one) on the same
+    # step: the argmax of each given row.
+    greedy = DecoderModel(config, weights, manager, session, head_rows="given")
+    picked = greedy.execute(
+        Buffer.from_numpy(tokens), Buffer.from_numpy(offsets), inputs, Buffer.from_numpy(rows)
+    ).to_numpy()
+    assert picked.tolist() == got.argmax(axis=-1).tolist()
+    manager.step(dict(zip(seqs, lengths, strict=True)))
+
+    # Sequence 0 decodes its next token with two drafts: the right one, then a
+    # wrong one; the head reads all three rows; the wrong draft is popped.
+    expected = greedy_reference(config, weights, prompts[0], 4)
+    first = int(np.argmax(logits_reference(config, weights, prompts[0])))
+    assert first == expected[0]
+    wrong = (expected[2] + 1) % config.vocab_size
+    step = np.array([first, expected[1], wrong], dtype=np.int64)
+    (inputs,) = manager.fetch([seqs[0]], active_lengths=[3])
+    argmax = (
+        model.execute(
+            Buffer.from_numpy(step),
+            Buffer.from_numpy(np.array([0, 3], dtype=np.uint32)),
+            inputs,
+            Buffer.from_numpy(np.arange(3, dtype=np.int64)),
+        )
+        .to_numpy()
+        .argmax(axis=-1)
+    )
+    assert argmax.tolist()[:2] == expected[1:3]  # the drafted positions, checked at once
+    manager.step({seqs[0]: 3})
+    manager.pop_n(seqs[0], 1)  # the wrong draft
+    assert manager.cache_lengths[seqs[0]] == len(prompts[0]) + 2
+    (inputs,) = manager.fetch([seqs[0]], active_lengths=[1])
+    last = model.execute(
+        Buffer.from_numpy(np.array([expected[2]], dtype=np.int64)),
+        Buffer.from_numpy(np.array([0, 1], dtype=np.uint32)),
+        inputs,
+        Buffer.from_numpy(np.zeros(1, dtype=np.int64)),
+    ).to_numpy()
+    assert int(last.argmax()) == expected[3]
+    with pytest.raises(ValueError, match="rows"):
+        model.execute(Buffer.from_numpy(step), Buffer.from_numpy(offsets), inputs)
+    with pytest.raises(ValueError, match="below total_tokens"):
+        model.execute(
+            Buffer.from_numpy(np.array([expected[2]], dtype=np.int64)),
+            Buffer.from_numpy(np.array([0, 1], dtype=np.uint32)),
+            inputs,
+            Buffer.from_numpy(np.array([1], dtype=np.int64)),
+        )

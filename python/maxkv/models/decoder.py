@@ -83,6 +83,12 @@ def bfloat16_buffer(array: np.ndarray) -> Buffer:
 OutputKind = Literal["tokens", "logits"]
 OUTPUT_KINDS: tuple[str, ...] = ("tokens", "logits")
 
+#: The rows the LM head reads: each sequence's last token (``"last"``), or
+#: the rows an extra int64 ``[n]`` input names (``"given"``: every row of a
+#: sequence whose draft tokens are checked in one step, speculative decoding).
+HeadRows = Literal["last", "given"]
+HEAD_ROWS: tuple[str, ...] = ("last", "given")
+
 
 def matrix_sources(config: DecoderConfig, *, packed: bool) -> dict[str, list[str]]:
     """Graph matrix name -> the Hugging Face weights stacked (by rows) into it.
@@ -293,6 +299,7 @@ def build_decoder_graph(
     output: OutputKind = "tokens",
     quant_bits: Mapping[str, int] | None = None,
     greedy_head: bool = False,
+    head_rows: HeadRows = "last",
 ) -> Graph:
     """The decoder as one MAX graph over a maxkv cache collection.
 
@@ -310,9 +317,14 @@ def build_decoder_graph(
     ``output="tokens"``): the next tokens come from
     :func:`maxkv.ops.greedy_head` (the same tokens as the argmax of every
     logit, see there); the registry then holds its weights.
+    ``head_rows="given"`` (:data:`HeadRows`): a last input, int64 row indices
+    ``[n]`` into ``total_tokens``, names the rows the head reads; the output
+    then has ``n`` rows instead of ``batch``.
     """
     if output not in OUTPUT_KINDS:
         raise ValueError(f"output must be one of {OUTPUT_KINDS}, got {output!r}")
+    if head_rows not in HEAD_ROWS:
+        raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {head_rows!r}")
     cfg = config
     dtype = params.dtype
     if dtype not in MODEL_DTYPES:
@@ -344,15 +356,21 @@ def build_decoder_graph(
         TensorType(DType.uint32, ["input_row_offsets_len"], device),
         *cache_types,
     ]
+    given = head_rows == "given"
+    if given:
+        input_types.append(TensorType(DType.int64, ["head_rows"], device))
     heads, head_dim = cfg.num_attention_heads, cfg.head_dim
-    with Graph(
-        f"maxkv_{cfg.family}_{output}", input_types=input_types, custom_extensions=[kernels_path()]
-    ) as g:
+    name = f"maxkv_{cfg.family}_{output}" + ("_given_rows" if given else "")
+    with Graph(name, input_types=input_types, custom_extensions=[kernels_path()]) as g:
         tokens, offsets, *cache = (value.tensor for value in g.inputs)
+        rows = cache.pop() if given else None
         layers = layer_collections(cache)
         h = blocks.embed(tokens)
-        # Each sequence's last token: the only row the head reads.
-        last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
+        # The rows the head reads: each sequence's last token, or the given ones.
+        if rows is not None:
+            last = rows  # dimension "head_rows"
+        else:
+            last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
         for i in range(cfg.num_hidden_layers):
             x = blocks.norm(h, f"layers.{i}.input_norm")
             freqs = weight(cfg.rope_name(i))
@@ -394,7 +412,7 @@ def build_decoder_graph(
             return g
         logits = blocks.logits(h_last)
         if output == "tokens":
-            g.output(ops.reshape(ops.argmax(logits, axis=-1), ["batch_size"]))
+            g.output(ops.reshape(ops.argmax(logits, axis=-1), [last.shape[0]]))
         else:
             g.output(logits)
     return g
@@ -455,6 +473,9 @@ class DecoderModel:
             stacked and typed as :func:`graph_weights` gives them (shapes per
             :func:`graph_weight_shapes`), as any DLPack arrays, e.g. random
             weights made on a GPU (the benchmarks' 8B-parameter shapes).
+        head_rows: ``"given"``: :meth:`execute` takes the rows the head
+            reads (:data:`HeadRows`), and returns one token or logits row
+            for each.
 
     Raises:
         ValueError: If the cache does not match the model (heads, head size,
@@ -474,6 +495,7 @@ class DecoderModel:
         quantized: Mapping[str, BlockQuantized] | None = None,
         device: Device | None = None,
         prepared: Mapping[str, Any] | None = None,
+        head_rows: HeadRows = "last",
     ) -> None:
         spec: CacheSpec | HybridCacheSpec
         if isinstance(cache, KVCacheManagerBase):
@@ -509,6 +531,10 @@ class DecoderModel:
         #: The cache this graph was built for.
         self.spec = spec
         self.output: OutputKind = output
+        if head_rows not in HEAD_ROWS:
+            raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {head_rows!r}")
+        #: Which rows the head reads (:data:`HeadRows`).
+        self.head_rows: HeadRows = head_rows
         self.device = device
         ref = DeviceRef.from_device(device)
         packed = uses_packed_kernels(ref, dtype)
@@ -544,6 +570,7 @@ class DecoderModel:
             output,
             self.quant_bits,
             self.greedy_head,
+            head_rows,
         )
         self._model: Model = load_graph(session, graph, weights_registry=registry)
 
@@ -552,9 +579,30 @@ class DecoderModel:
         """Positions the RoPE table covers (the model's context)."""
         return self.config.max_position_embeddings
 
-    def execute(self, tokens: Buffer, input_row_offsets: Buffer, kv: CacheInputs) -> Buffer:
-        """Runs one step; returns next tokens or last-token logits (see ``output``)."""
-        (result,) = self._model.execute(tokens, input_row_offsets, *kv)
+    def execute(
+        self,
+        tokens: Buffer,
+        input_row_offsets: Buffer,
+        kv: CacheInputs,
+        rows: Buffer | None = None,
+    ) -> Buffer:
+        """Runs one step; returns next tokens or logits (see ``output``) of
+        each sequence's last token, or with ``head_rows="given"`` of the rows
+        ``rows`` names (int64 ``[n]``, each below ``total_tokens``)."""
+        if (rows is None) != (self.head_rows == "last"):
+            raise ValueError(
+                "rows= names the rows the head reads in a head_rows='given' model, and only there"
+            )
+        if rows is None:
+            (result,) = self._model.execute(tokens, input_row_offsets, *kv)
+            return result
+        count = tokens.shape[0]
+        picked = rows.to_numpy() if rows.device.is_host else None
+        if picked is not None and (
+            picked.dtype != np.int64 or ((picked < 0) | (picked >= count)).any()
+        ):
+            raise ValueError(f"rows must be int64 indices below total_tokens = {count}")
+        (result,) = self._model.execute(tokens, input_row_offsets, *kv, rows)
         return result
 
 
