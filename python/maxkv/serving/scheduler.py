@@ -39,6 +39,18 @@ host instead (per-request temperature and seeded generator; temperature 0 is
 greedy), one step per round, and a request may ask for ``n`` completions:
 after its prompt is encoded, ``n - 1`` children ``fork`` its cache at
 ``len(prompt) - 1`` and each samples its own continuation.
+
+With ``speculative=`` (:class:`~maxkv.serving.speculative.SpeculativeConfig`,
+a model built with ``head_rows="given"``, one step per round) each request
+may append draft tokens found by prompt lookup in its own prompt and output
+after its pending tokens; the model's head reads every drafted row in the
+same step, the drafts that match what the model would have chosen are
+committed with one more token of the model's, and the rows of the others
+are left uncommitted (``step`` commits fewer tokens than were fetched, and
+a paged cache gives back pages past the committed length).  Greedy outputs
+are the tokens decoding one at a time gives; sampled ones keep its
+distribution (speculative sampling).  Drafts never preempt: a round whose
+drafts do not fit the free pages runs without them.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
 from ..errors import CacheFullError
 from ..models.decoder import DecoderModel
+from .speculative import SpeculativeConfig, accept_greedy, accept_sampled
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, num_steps: int) -> int:
@@ -131,6 +144,16 @@ class SchedulerStats:
     recomputed_tokens: int = 0
     #: Most storage units (pages) held at once, after a round's fetch.
     peak_units_in_use: int = 0
+    #: Draft tokens proposed, and those accepted (speculative decoding).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    #: Rounds whose drafts did not fit the free pages and ran without them.
+    drafts_dropped: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over proposed ones (0 without drafts)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,6 +186,10 @@ class SchedulerStats:
             "preemptions": self.preemptions,
             "recomputed_tokens": self.recomputed_tokens,
             "peak_units_in_use": self.peak_units_in_use,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "drafts_dropped": self.drafts_dropped,
         }
 
 
@@ -182,6 +209,9 @@ class ContinuousBatchingScheduler:
         preemption: ``"wait"``, ``"swap"`` or ``"recompute"`` (see the module
             docstring); the last two need a paged cache and greedy decoding
             (a forked request's completions are never preempted apart).
+        speculative: Prompt-lookup speculative decoding (see the module
+            docstring); needs a model built with ``head_rows="given"`` and
+            ``num_steps == 1``.
     """
 
     def __init__(
@@ -193,6 +223,7 @@ class ContinuousBatchingScheduler:
         *,
         stop_at_eos: bool = True,
         preemption: str = "wait",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if preemption not in ("wait", "swap", "recompute"):
             raise ValueError(
@@ -211,8 +242,22 @@ class ContinuousBatchingScheduler:
             raise ValueError(
                 f"max_batch_size {max_batch_size} exceeds the manager's {free} free slots"
             )
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
+            )
+        if speculative is not None and model.head_rows != "given":
+            raise ValueError(
+                "speculative decoding reads every drafted row: build the model with "
+                "head_rows='given'"
+            )
+        if speculative is not None and num_steps != 1:
+            raise ValueError("speculative decoding runs one model step per round (num_steps=1)")
         self.model = model
         self.manager = manager
+        self.speculative = speculative
+        self._lookup = speculative.lookup() if speculative else None
+        self._policy = speculative.policy() if speculative else None
         self.max_batch_size = max_batch_size
         self.sampling = getattr(model, "output", "tokens") == "logits"
         self.num_steps = 1 if self.sampling else num_steps
@@ -342,6 +387,8 @@ class ContinuousBatchingScheduler:
                 if request.remaining > 0 and (not self.eos or request.output[-1] not in self.eos):
                     running.append(request)
                 else:
+                    if self._policy is not None:
+                        self._policy.forget(_seq_id(request))
                     self.manager.release(_seq_id(request))
                     request.seq_id = None
                     self._reserved_units -= request.reserved_units
@@ -548,14 +595,14 @@ class ContinuousBatchingScheduler:
     # ---------------------------------------------------------------- steps
 
     def _round(self, batch: list[Request], stats: SchedulerStats, prefill: bool) -> int:
+        if self.model.head_rows == "given":
+            return self._checked_round(batch, stats)
         first_tokens = [r.pending for r in batch]
         active = [len(t) for t in first_tokens]
         steps = 1 if prefill else self._steps(batch)
         seq_ids = [_seq_id(r) for r in batch]
         kv = self.manager.fetch(seq_ids, steps, active_lengths=active)
-        if self.manager.total_storage_units:  # pages (slots are counted apart)
-            held = self.manager.total_units - self.manager.free_units
-            stats.peak_units_in_use = max(stats.peak_units_in_use, held)
+        self._count_units(stats)
 
         device = self.model.device
         tokens = Buffer.from_numpy(np.concatenate(first_tokens).astype(np.int64)).to(device)
@@ -587,16 +634,104 @@ class ContinuousBatchingScheduler:
             {s: len(ids) for s, ids in committed.items()},
             tokens=committed if self.prefix_caching else None,
         )
+        return self._append_outputs(batch, [row.tolist() for row in generated], stats)
+
+    def _checked_round(self, batch: list[Request], stats: SchedulerStats) -> int:
+        """One step whose head reads given rows: each request's last pending
+        token and, with speculation, the draft tokens appended after it."""
+        drafts = [self._drafts(r, len(batch)) for r in batch]
+        seq_ids = [_seq_id(r) for r in batch]
+        try:
+            kv = self.manager.fetch(
+                seq_ids,
+                active_lengths=[
+                    len(r.pending) + len(d) for r, d in zip(batch, drafts, strict=True)
+                ],
+            )
+        except CacheFullError:
+            if not any(drafts):
+                raise
+            stats.drafts_dropped += 1  # drafts never preempt: this round runs without them
+            drafts = [[] for _ in batch]
+            kv = self.manager.fetch(seq_ids, active_lengths=[len(r.pending) for r in batch])
+        self._count_units(stats)
+        fed = [r.pending + d for r, d in zip(batch, drafts, strict=True)]
+        active = [len(t) for t in fed]
+        ends = np.cumsum(active)
+        # The rows the head reads: a request's last pending token and its drafts.
+        rows = np.concatenate(
+            [np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)]
+        ).astype(np.int64)
+        device = self.model.device
+        result = self.model.execute(
+            Buffer.from_numpy(np.concatenate(fed).astype(np.int64)).to(device),
+            Buffer.from_numpy(np.concatenate([[0], ends]).astype(np.uint32)).to(device),
+            kv[0],
+            Buffer.from_numpy(rows).to(device),
+        ).to_numpy()
+        stats.model_steps += 1
+        stats.batch_slots_used += len(batch)
+        stats.host_syncs += 1
+        stats.rounds += 1
+        generated: list[list[int]] = []
+        committed: dict[int, list[int]] = {}
+        row = 0
+        for request, seq_id, draft, tokens in zip(batch, seq_ids, drafts, fed, strict=True):
+            head = result[row : row + len(draft) + 1]
+            row += len(draft) + 1
+            if not self.sampling:
+                out = accept_greedy(draft, head)
+            elif request.temperature == 0:
+                out = accept_greedy(draft, head.argmax(axis=-1))
+            else:
+                assert request.rng is not None
+                out = accept_sampled(draft, _softmax(head, request.temperature), request.rng)
+            accepted = len(out) - 1
+            if draft:
+                stats.draft_tokens += len(draft)
+                stats.accepted_tokens += accepted
+                assert self._policy is not None
+                self._policy.record(seq_id, len(draft), accepted)
+            committed[seq_id] = tokens[: len(request.pending) + accepted]
+            generated.append(out)
+        self.manager.step(
+            {s: len(ids) for s, ids in committed.items()},
+            tokens=committed if self.prefix_caching else None,
+        )
+        return self._append_outputs(batch, generated, stats)
+
+    def _drafts(self, request: Request, batch_size: int) -> list[int]:
+        """Prompt-lookup drafts for ``request`` this round (none without speculation).
+
+        At most ``remaining - 1``: a step commits one token more than the drafts
+        it accepts, so the cache never holds more than a request without
+        speculation may need (:func:`positions_needed`).
+        """
+        if self._policy is None or self._lookup is None or request.remaining < 2:
+            return []
+        k = min(self._policy.draft_length(_seq_id(request), batch_size), request.remaining - 1)
+        return self._lookup.propose(request.context, k) if k else []
+
+    def _count_units(self, stats: SchedulerStats) -> None:
+        if self.manager.total_storage_units:  # pages (slots are counted apart)
+            held = self.manager.total_units - self.manager.free_units
+            stats.peak_units_in_use = max(stats.peak_units_in_use, held)
+
+    def _append_outputs(
+        self, batch: list[Request], generated: list[list[int]], stats: SchedulerStats
+    ) -> int:
+        """Appends each request's new tokens, stopping at ``max_new_tokens`` or
+        after an EOS token; its last new token is its next pending one."""
         produced = 0
-        for request, row in zip(batch, generated, strict=True):
-            for token in row.tolist():
+        for request, tokens in zip(batch, generated, strict=True):
+            for token in tokens:
                 if request.remaining == 0 or (
                     request.output and self.eos and request.output[-1] in self.eos
                 ):
                     break
                 request.output.append(int(token))
                 produced += 1
-            request.pending = [int(row[-1])]
+            request.pending = [int(tokens[-1])]
         stats.generated_tokens += produced
         return produced
 
@@ -619,3 +754,11 @@ def _seq_id(request: Request) -> int:
     if request.seq_id is None:
         raise RuntimeError(f"request {request.index} holds no cache slot")
     return request.seq_id
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Row-wise next-token probabilities at ``temperature`` (> 0), in float64."""
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    normalized: np.ndarray = probs / probs.sum(axis=-1, keepdims=True)
+    return normalized

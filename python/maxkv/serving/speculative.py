@@ -37,9 +37,51 @@ from ..validation import require_int
 __all__ = [
     "PromptLookup",
     "SpeculationPolicy",
+    "SpeculativeConfig",
     "accept_greedy",
     "accept_sampled",
 ]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup, as vLLM's ``--speculative-config
+    '{"method": "ngram", ...}'`` names it.
+
+    Args:
+        num_speculative_tokens: Most draft tokens per sequence per step (k).
+        prompt_lookup_min: Shortest n-gram matched.
+        prompt_lookup_max: Longest n-gram matched.
+        adaptive: Pause a sequence's drafts while they keep failing and cap
+            the rows of a step (:class:`SpeculationPolicy`); ``False`` drafts
+            ``num_speculative_tokens`` whenever a match is found.
+        max_batch_tokens: With ``adaptive``: most rows per decode step.
+    """
+
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+    max_batch_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        require_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        require_int("max_batch_tokens", self.max_batch_tokens, 1)
+        self.lookup()  # validates the n-gram lengths
+
+    def lookup(self) -> PromptLookup:
+        """The drafter these settings describe."""
+        return PromptLookup(self.prompt_lookup_min, self.prompt_lookup_max)
+
+    def policy(self) -> SpeculationPolicy:
+        """A fresh policy (per-sequence records) for one scheduler."""
+        if self.adaptive:
+            return SpeculationPolicy(
+                self.num_speculative_tokens, max_batch_tokens=self.max_batch_tokens
+            )
+        return SpeculationPolicy(
+            self.num_speculative_tokens, min_acceptance=0.0, max_batch_tokens=1 << 30
+        )
 
 
 @dataclass(frozen=True)
