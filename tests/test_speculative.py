@@ -144,45 +144,88 @@ def test_sampled_acceptance_refuses_bad_shapes() -> None:
 
 
 def test_policy_caps_drafts_by_batch_rows() -> None:
-    policy = SpeculationPolicy(num_speculative_tokens=4, max_batch_tokens=32)
+    policy = SpeculationPolicy(num_speculative_tokens=4, row_cost=0.0, max_batch_tokens=32)
     assert policy.draft_length(0, 1) == 4
-    assert policy.draft_length(0, 8) == 3  # (32 - 8) // 8
-    assert policy.draft_length(0, 16) == 1
-    assert policy.draft_length(0, 32) == 0
+    assert policy.draft_length(1, 8) == 3  # (32 - 8) // 8
+    assert policy.draft_length(2, 16) == 1
+    assert policy.draft_length(3, 32) == 0
     assert SpeculationPolicy(num_speculative_tokens=0).draft_length(0, 1) == 0
+    fixed = SpeculationPolicy(num_speculative_tokens=4, adaptive=False)
+    fixed.record(0, 4, 0)
+    assert fixed.draft_length(0, 64) == 4
 
 
-def test_policy_pauses_a_sequence_whose_drafts_fail_and_tries_again() -> None:
-    policy = SpeculationPolicy(num_speculative_tokens=4, min_acceptance=0.3, decay=0.5)
-    policy.record(7, 4, 4)
-    assert policy.acceptance(7) == 1.0
-    policy.record(7, 4, 0)  # 0.5
+def tokens_per_cost(acceptance: float, k: int, row_cost: float, batch: int = 1) -> float:
+    """A step of ``batch`` rows plus ``k`` drafts of one sequence, in units of a one-row step."""
+    extra = sum(acceptance**j for j in range(1, k + 1))
+    return (batch + extra) / (1 + (batch - 1 + k) * row_cost)
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.1, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_policy_drafts_the_length_that_pays_most(row_cost: float, batch: int) -> None:
+    policy = SpeculationPolicy(num_speculative_tokens=8, row_cost=row_cost)
+    for acceptance in np.linspace(0.01, 0.99, 50):
+        a = float(acceptance)
+        got = policy.best_length(a, 8, batch)
+        best = max(tokens_per_cost(a, k, row_cost, batch) for k in range(9))
+        assert tokens_per_cost(a, got, row_cost, batch) >= best * (1 - 1e-9)
+        if got:
+            assert tokens_per_cost(a, got, row_cost, batch) > tokens_per_cost(a, 0, row_cost, batch)
+
+
+def test_larger_batches_need_a_higher_acceptance_to_draft() -> None:
+    policy = SpeculationPolicy(num_speculative_tokens=4, row_cost=0.3)
+    assert policy.best_length(0.5, 4, 1) >= 1
+    assert policy.best_length(0.5, 4, 16) == 0
+    assert policy.best_length(0.95, 4, 16) >= 1
+    threshold = {
+        b: next(a for a in np.linspace(0, 1, 101) if policy.best_length(a, 4, b))
+        for b in (1, 4, 16)
+    }
+    assert threshold[1] < threshold[4] < threshold[16]
+
+
+def test_policy_drafts_more_as_drafts_stand_and_pauses_when_they_fail() -> None:
+    policy = SpeculationPolicy(num_speculative_tokens=4, row_cost=0.2, decay=0.8)
+    assert policy.acceptance(7) == 0.5
+    assert policy.draft_length(7, 1) == 1  # the prior pays for one draft, not two
+    policy.record(7, 1, 1)
+    policy.record(7, 3, 3)
+    assert policy.acceptance(7) > 0.8
     assert policy.draft_length(7, 1) == 4
-    policy.record(7, 4, 0)  # 0.25 < 0.3: paused 1 step
-    assert [policy.draft_length(7, 1) for _ in range(2)] == [0, 4]
-    policy.record(7, 4, 0)  # fails again: paused 2 steps
-    assert [policy.draft_length(7, 1) for _ in range(3)] == [0, 0, 4]
-    policy.record(7, 4, 4)  # recovers: the pause after the next failures is 1 step again
-    policy.record(7, 4, 0)
-    policy.record(7, 4, 0)
-    assert [policy.draft_length(7, 1) for _ in range(2)] == [0, 4]
-    assert policy.draft_length(8, 1) == 4  # other sequences are not affected
+    lengths = []
+    for _ in range(30):  # from now on every draft fails
+        k = policy.draft_length(7, 1)
+        lengths.append(k)
+        policy.record(7, k, 0)
+    # Shorter and shorter drafts, then pauses of 1, 2, 4 and 8 steps, each
+    # followed by a probe of one draft.
+    assert lengths == [4, 3, 2, 1, 1, 1, 1, 0, 1, 0, 0, 1, *[0] * 4, 1, *[0] * 8, 1, 0, 0, 0, 0]
+    assert policy.draft_length(8, 1) == 1  # other sequences are not affected
+    policy.record(7, 1, 1)  # a probe that stands ends the backoff
     policy.forget(7)
-    assert policy.acceptance(7) == 1.0
+    assert policy.acceptance(7) == 0.5
 
 
 def test_policy_pause_is_bounded() -> None:
     policy = SpeculationPolicy(num_speculative_tokens=2, max_pause=4)
-    for _ in range(10):
-        policy.record(1, 2, 0)
-    assert [policy.draft_length(1, 1) for _ in range(5)] == [0, 0, 0, 0, 2]
+    lengths = []
+    for _ in range(40):
+        k = policy.draft_length(1, 1)
+        lengths.append(k)
+        policy.record(1, k, 0)
+    assert lengths[:11] == [1, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+    assert lengths[11:36] == [1, 0, 0, 0, 0] * 5  # pauses stay at max_pause
 
 
 def test_bad_policy_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculationPolicy(num_speculative_tokens=-1)
-    with pytest.raises(ValueError, match="min_acceptance"):
-        SpeculationPolicy(num_speculative_tokens=2, min_acceptance=1.5)
+    with pytest.raises(ValueError, match="row_cost"):
+        SpeculationPolicy(num_speculative_tokens=2, row_cost=1.5)
+    with pytest.raises(ValueError, match="prior"):
+        SpeculationPolicy(num_speculative_tokens=2, prior=0.0)
     with pytest.raises(ValueError, match="decay"):
         SpeculationPolicy(num_speculative_tokens=2, decay=1.0)
     policy = SpeculationPolicy(num_speculative_tokens=2)

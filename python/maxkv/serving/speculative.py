@@ -52,9 +52,11 @@ class SpeculativeConfig:
         num_speculative_tokens: Most draft tokens per sequence per step (k).
         prompt_lookup_min: Shortest n-gram matched.
         prompt_lookup_max: Longest n-gram matched.
-        adaptive: Pause a sequence's drafts while they keep failing and cap
+        adaptive: Draft per sequence what its acceptance pays for and cap
             the rows of a step (:class:`SpeculationPolicy`); ``False`` drafts
             ``num_speculative_tokens`` whenever a match is found.
+        row_cost: With ``adaptive``: what one more row adds to a decode step,
+            relative to a one-row step.
         max_batch_tokens: With ``adaptive``: most rows per decode step.
     """
 
@@ -62,12 +64,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True
+    row_cost: float = 0.3
     max_batch_tokens: int = 32
 
     def __post_init__(self) -> None:
         require_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         require_int("max_batch_tokens", self.max_batch_tokens, 1)
         self.lookup()  # validates the n-gram lengths
+        self.policy()  # and the policy's settings
 
     def lookup(self) -> PromptLookup:
         """The drafter these settings describe."""
@@ -77,11 +81,11 @@ class SpeculativeConfig:
         """A fresh policy (per-sequence records) for one scheduler."""
         if self.adaptive:
             return SpeculationPolicy(
-                self.num_speculative_tokens, max_batch_tokens=self.max_batch_tokens
+                self.num_speculative_tokens,
+                row_cost=self.row_cost,
+                max_batch_tokens=self.max_batch_tokens,
             )
-        return SpeculationPolicy(
-            self.num_speculative_tokens, min_acceptance=0.0, max_batch_tokens=1 << 30
-        )
+        return SpeculationPolicy(self.num_speculative_tokens, adaptive=False)
 
 
 @dataclass(frozen=True)
@@ -196,53 +200,105 @@ def accept_sampled(
 
 @dataclass
 class _SequenceRecord:
-    rate: float = 1.0  # running acceptance rate of this sequence's drafts
+    accepted: float  # decayed count of drafts that stood
+    checked: float  # decayed count of drafts checked up to the first rejection
     paused: int = 0  # steps left without drafts
     backoff: int = 0  # the next pause's length
 
 
 @dataclass
 class SpeculationPolicy:
-    """When and how much each sequence drafts, so that speculation only runs
+    """How many tokens each sequence drafts, so that speculation only runs
     where it pays.
+
+    A sequence's acceptance ``a`` is the chance that a draft token stands
+    given that those before it did: decayed counts of the drafts that stood
+    over those checked up to each step's first rejection, starting from
+    ``prior`` (worth two drafts).  In a step of ``B`` sequences, in units of
+    a one-row step, ``k`` drafts of one sequence add ``a + ... + a^k`` tokens
+    on average to the step's ``B`` and ``k x row_cost`` to its cost ``1 +
+    (B - 1) x row_cost``; the sequence drafts the ``k`` that gives the most
+    tokens per cost.  At batch 1 any acceptance that beats ``row_cost`` pays
+    for a draft; at larger batches, whose steps already do more work per
+    token, only a higher one does.  When no ``k`` beats not drafting the
+    sequence pauses (1 step, then 2, 4, ... up to ``max_pause``) and then
+    tries one draft again.
 
     Args:
         num_speculative_tokens: Most drafts per sequence per step.
-        min_acceptance: A sequence whose running acceptance rate falls below
-            this stops drafting for a while (then tries again, waiting twice
-            as long after each failure, up to ``max_pause`` steps).
+        row_cost: What one more row adds to a decode step, relative to a
+            one-row step (SmolLM2-135M on two CPU cores: about 0.3; a large
+            model at small batch, whose step reads its weights whatever the
+            rows: near 0).
+        prior: Acceptance assumed before a sequence's first draft.
         max_batch_tokens: Most rows (pending tokens and drafts) a decode step
             may hold: past it drafts are shortened, so a large batch, whose
             step costs grow with its rows, speculates less or not at all.
-        decay: Weight of the history in the running acceptance rate.
+        decay: Weight of the history in the counts, per step.
         max_pause: Longest pause, in steps.
+        adaptive: ``False``: every sequence drafts ``num_speculative_tokens``
+            whenever it can (no cost model, no cap on a step's rows).
     """
 
     num_speculative_tokens: int
-    min_acceptance: float = 0.3
+    row_cost: float = 0.3
+    prior: float = 0.5
     max_batch_tokens: int = 32
-    decay: float = 0.7
+    decay: float = 0.8
     max_pause: int = 64
+    adaptive: bool = True
     _records: dict[int, _SequenceRecord] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         require_int("max_batch_tokens", self.max_batch_tokens, 1)
         require_int("max_pause", self.max_pause, 1)
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not 0.0 <= self.row_cost <= 1.0:
+            raise ValueError(f"row_cost must be in [0, 1], got {self.row_cost}")
+        if not 0.0 < self.prior < 1.0:
+            raise ValueError(f"prior must be in (0, 1), got {self.prior}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+
+    def _record(self, seq_id: int) -> _SequenceRecord:
+        record = self._records.get(seq_id)
+        if record is None:
+            record = self._records[seq_id] = _SequenceRecord(2 * self.prior, 2.0)
+        return record
+
+    def best_length(self, acceptance: float, most: int, batch_size: int = 1) -> int:
+        """The draft length up to ``most`` that gives a step of ``batch_size``
+        sequences the most tokens per cost (the shortest of equals)."""
+        base_tokens = float(batch_size)
+        base_cost = 1 + (batch_size - 1) * self.row_cost
+        best, best_value = 0, base_tokens / base_cost
+        extra, term = 0.0, 1.0
+        for k in range(1, most + 1):
+            term *= acceptance
+            extra += term
+            value = (base_tokens + extra) / (base_cost + k * self.row_cost)
+            if value > best_value * (1 + 1e-9):
+                best, best_value = k, value
+        return best
 
     def draft_length(self, seq_id: int, batch_size: int) -> int:
         """Drafts sequence ``seq_id`` may propose in a step of ``batch_size`` sequences."""
         batch_size = require_int("batch_size", batch_size, 1)
-        record = self._records.setdefault(seq_id, _SequenceRecord())
+        if not self.adaptive:
+            return self.num_speculative_tokens
+        record = self._record(seq_id)
+        share = max(0, (self.max_batch_tokens - batch_size) // batch_size)
+        most = min(self.num_speculative_tokens, share)
+        if most == 0:
+            return 0
         if record.paused > 0:
             record.paused -= 1
-            return 0
-        share = (self.max_batch_tokens - batch_size) // batch_size
-        return max(0, min(self.num_speculative_tokens, share))
+            return 1 if record.paused == 0 else 0  # the probe after a pause
+        k = self.best_length(self.acceptance(seq_id), most, batch_size)
+        if k == 0:
+            record.backoff = min(self.max_pause, max(1, 2 * record.backoff))
+            record.paused = record.backoff
+        return k
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """Sequence ``seq_id`` proposed ``proposed`` drafts and ``accepted`` stood."""
@@ -252,19 +308,18 @@ class SpeculationPolicy:
             raise ValueError(f"accepted ({accepted}) exceeds proposed ({proposed})")
         if proposed == 0:
             return
-        record = self._records.setdefault(seq_id, _SequenceRecord())
-        record.rate = self.decay * record.rate + (1 - self.decay) * accepted / proposed
-        if record.rate >= self.min_acceptance:
+        record = self._record(seq_id)
+        record.accepted = self.decay * record.accepted + accepted
+        record.checked = self.decay * record.checked + accepted + (accepted < proposed)
+        if accepted:
             record.backoff = 0
-            return
-        record.backoff = min(self.max_pause, max(1, 2 * record.backoff))
-        record.paused = record.backoff
-        record.rate = self.min_acceptance  # the probe after the pause starts level
 
     def acceptance(self, seq_id: int) -> float:
-        """The running acceptance rate of ``seq_id`` (1.0 before any draft)."""
+        """The running acceptance of ``seq_id`` (``prior`` before any draft)."""
         record = self._records.get(seq_id)
-        return 1.0 if record is None else record.rate
+        if record is None:
+            return self.prior
+        return record.accepted / record.checked if record.checked else self.prior
 
     def forget(self, seq_id: int) -> None:
         """Drops a finished sequence's record (its id may be reused)."""
