@@ -742,9 +742,7 @@ class ContinuousBatchingScheduler:
             if request.temperature == 0:
                 chosen[row] = int(np.argmax(logits[row]))
                 continue
-            scaled = logits[row].astype(np.float64) / request.temperature
-            probs = np.exp(scaled - scaled.max())
-            probs /= probs.sum()
+            probs = _softmax(logits[row], request.temperature)
             assert request.rng is not None
             chosen[row] = int(request.rng.choice(len(probs), p=probs))
         return chosen
