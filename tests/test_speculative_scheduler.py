@@ -154,5 +154,7 @@ def test_speculation_needs_a_model_that_reads_given_rows(session: InferenceSessi
     given = DecoderModel(CONFIG, WEIGHTS, manager, session, head_rows="given")
     with pytest.raises(ValueError, match="num_steps=1"):
         ContinuousBatchingScheduler(given, manager, 2, 4, speculative=SpeculativeConfig())
+    with pytest.raises(ValueError, match="num_steps=1"):  # multistep feeds one token a row back
+        ContinuousBatchingScheduler(given, manager, 2, 4)
     with pytest.raises(TypeError, match="SpeculativeConfig"):
         ContinuousBatchingScheduler(given, manager, 2, speculative={"method": "ngram"})  # type: ignore[arg-type]

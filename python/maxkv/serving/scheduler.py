@@ -210,8 +210,8 @@ class ContinuousBatchingScheduler:
             docstring); the last two need a paged cache and greedy decoding
             (a forked request's completions are never preempted apart).
         speculative: Prompt-lookup speculative decoding (see the module
-            docstring); needs a model built with ``head_rows="given"`` and
-            ``num_steps == 1``.
+            docstring); needs a model built with ``head_rows="given"``, which
+            runs one step per round (``num_steps == 1``).
     """
 
     def __init__(
@@ -251,8 +251,11 @@ class ContinuousBatchingScheduler:
                 "speculative decoding reads every drafted row: build the model with "
                 "head_rows='given'"
             )
-        if speculative is not None and num_steps != 1:
-            raise ValueError("speculative decoding runs one model step per round (num_steps=1)")
+        if model.head_rows == "given" and num_steps != 1:
+            raise ValueError(
+                "a head_rows='given' model (speculative decoding) runs one model step per "
+                "round (num_steps=1)"
+            )
         self.model = model
         self.manager = manager
         self.speculative = speculative
