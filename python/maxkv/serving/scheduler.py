@@ -246,12 +246,13 @@ class ContinuousBatchingScheduler:
             raise TypeError(
                 f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
             )
-        if speculative is not None and model.head_rows != "given":
+        head_rows = getattr(model, "head_rows", "last")
+        if speculative is not None and head_rows != "given":
             raise ValueError(
                 "speculative decoding reads every drafted row: build the model with "
                 "head_rows='given'"
             )
-        if model.head_rows == "given" and num_steps != 1:
+        if head_rows == "given" and num_steps != 1:
             raise ValueError(
                 "a head_rows='given' model (speculative decoding) runs one model step per "
                 "round (num_steps=1)"
@@ -259,6 +260,9 @@ class ContinuousBatchingScheduler:
         self.model = model
         self.manager = manager
         self.speculative = speculative
+        #: Whether the model's head reads given rows (every round then runs
+        #: :meth:`_checked_round`).
+        self.head_rows = head_rows
         self._lookup = speculative.lookup() if speculative else None
         self._policy = speculative.policy() if speculative else None
         self.max_batch_size = max_batch_size
@@ -598,7 +602,7 @@ class ContinuousBatchingScheduler:
     # ---------------------------------------------------------------- steps
 
     def _round(self, batch: list[Request], stats: SchedulerStats, prefill: bool) -> int:
-        if self.model.head_rows == "given":
+        if self.head_rows == "given":
             return self._checked_round(batch, stats)
         first_tokens = [r.pending for r in batch]
         active = [len(t) for t in first_tokens]
