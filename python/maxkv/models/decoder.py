@@ -597,10 +597,10 @@ class DecoderModel:
             (result,) = self._model.execute(tokens, input_row_offsets, *kv)
             return result
         count = tokens.shape[0]
-        picked = rows.to_numpy() if rows.device.is_host else None
-        if picked is not None and (
-            picked.dtype != np.int64 or ((picked < 0) | (picked >= count)).any()
-        ):
+        # Checked on the host before the graph gathers them (a device's rows
+        # are copied back: a few bytes).
+        picked = (rows if rows.device.is_host else rows.to(CPU())).to_numpy()
+        if picked.dtype != np.int64 or ((picked < 0) | (picked >= count)).any():
             raise ValueError(f"rows must be int64 indices below total_tokens = {count}")
         (result,) = self._model.execute(tokens, input_row_offsets, *kv, rows)
         return result
