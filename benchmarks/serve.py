@@ -268,8 +268,10 @@ def server(
             str(concurrency),
             "--served-model-name",
             str(model_dir),
+            *getattr(args, "vllm_args", []),
         ]
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1")
+        env.update(getattr(args, "vllm_env", {}))
     if side == "maxkv":
         from maxkv.pipelines import CUSTOM_ARCHITECTURES
 

@@ -250,3 +250,14 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama directory for MAX's pipelines (``tests/pipeline_helpers.py``)."""
+    requires_transformers()
+    from .pipeline_helpers import make_tiny_llama_dir
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_llama_dir(directory, seed=7)
+    return directory

@@ -1,7 +1,8 @@
-"""maxkv's CPU decode-attention kernel (one new token per sequence) against NumPy.
+"""maxkv's CPU decode-attention kernel (one new token per sequence, or a few
+while verifying speculative drafts) against NumPy.
 
 ``flash_attention_ragged`` takes maxkv's kernel when every sequence of the step
-has one new token.  The grid covers contexts 1 to 4096, batches 1 to 64 with
+has 1 to 8 new tokens.  The grid covers contexts 1 to 4096, batches 1 to 64 with
 mixed lengths, GQA ratios 1, 3 and 4, head_dim 64 and 128, float32 and
 bfloat16, and contexts long enough to be split over workers and merged.  Cache
 rows past each sequence's context hold NaN, and layer 0 holds other values
@@ -94,12 +95,19 @@ def decode_model(session: InferenceSession) -> Callable[[DecodeConfig], Model]:
 
 
 def run_case(
-    config: DecodeConfig, model: Model, session: InferenceSession, contexts: list[int], seed: int
+    config: DecodeConfig,
+    model: Model,
+    session: InferenceSession,
+    contexts: list[int],
+    seed: int,
+    new: list[int] | None = None,
 ) -> float:
-    """Decodes one token per sequence over ``contexts`` cached tokens (the new
-    token's included); returns the worst absolute error against NumPy."""
+    """Attends ``new[b]`` (default 1) new tokens per sequence over ``contexts``
+    cached tokens (the new ones included); returns the worst absolute error
+    against NumPy."""
     rng = np.random.default_rng(seed)
     batch = len(contexts)
+    new = new or [1] * batch
     manager = ContinuousBatchingKVCacheManager(
         config.params, batch, max(contexts), NUM_LAYERS, [CPU()], session
     )
@@ -107,21 +115,22 @@ def run_case(
     shape = manager.block_shape(batch)
     blocks = np.full(shape, np.nan, dtype=np.float32)
     blocks[:, :, 0] = rng.standard_normal(blocks[:, :, 0].shape, dtype=np.float32) * 3
-    for slot, context in zip(ids, contexts, strict=True):
+    for slot, context, n in zip(ids, contexts, new, strict=True):
         blocks[slot, :, LAYER, :context] = rng.standard_normal(
             (2, context, config.kv_heads, config.head_dim), dtype=np.float32
         )
-        if config.window:  # rows outside the window must not be read
-            blocks[slot, :, LAYER, : max(0, context - config.window)] = np.nan
-    q = rng.standard_normal((batch, config.q_heads, config.head_dim), dtype=np.float32)
+        if config.window:  # rows outside every new token's window must not be read
+            blocks[slot, :, LAYER, : max(0, context - n - config.window + 1)] = np.nan
+    q = rng.standard_normal((sum(new), config.q_heads, config.head_dim), dtype=np.float32)
     manager.fetch(ids)
-    manager.step({seq: context - 1 for seq, context in zip(ids, contexts, strict=True)})
-    (inputs,) = manager.fetch(ids)  # cache_length = context - 1, plus the new token
+    manager.step({seq: c - n for seq, c, n in zip(ids, contexts, new, strict=True)})
+    (inputs,) = manager.fetch(ids, active_lengths=new)  # cache_length = context - new
     source = to_buffer(blocks, config.dtype)
     inputs[0].inplace_copy_from(source)
     manager.devices[0].synchronize()  # the copy may run asynchronously: wait before `source` goes
     del source
-    offsets = Buffer.from_numpy(np.arange(batch + 1, dtype=np.uint32))
+    starts = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    offsets = Buffer.from_numpy(starts)
     (out,) = model.execute(*inputs, to_buffer(q, config.dtype), offsets)
     actual = as_numpy(out)
     stored = round_to(blocks, config.dtype)
@@ -131,8 +140,12 @@ def run_case(
     for b, (slot, context) in enumerate(zip(ids, contexts, strict=True)):
         k = stored[slot, 0, LAYER, :context]
         v = stored[slot, 1, LAYER, :context]
-        expected = attention(queries[b : b + 1], k, v, context - 1, True, scale, config.window)[0]
-        worst = max(worst, float(np.abs(actual[b] - expected).max()))
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        expected = attention(queries[rows], k, v, context - new[b], True, scale, config.window)
+        error = np.abs(actual[rows] - expected)
+        if not np.isfinite(error).all():  # a NaN row was read
+            return math.inf
+        worst = max(worst, float(error.max()))
     return worst
 
 
@@ -177,3 +190,31 @@ def test_decode_batch_64_mixed_lengths(
     contexts = [int(c) for c in np.random.default_rng(7).integers(1, 600, size=64)]
     contexts[0], contexts[1] = 1, 2048
     assert run_case(config, decode_model(config), session, contexts, seed=64) <= F32_ATOL
+
+
+#: Steps that verify speculative drafts: 1 to 8 new tokens per sequence take
+#: maxkv's kernel (an item per token), 9 and more MAX's (or, over another
+#: encoding, maxkv's blocks of 4 query tokens).
+VERIFY_CASES = [
+    (GQA4_64, [300, 1000, 40, 2049], [5, 2, 8, 1]),
+    (GQA3_128, [5000, 9], [3, 9]),
+    (MHA_64, [700, 64], [4, 6]),
+    (GQA4_BF16, [1500, 2], [7, 2]),
+    (GQA3_WINDOW, [299, 303, 4096], [4, 8, 5]),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "contexts", "new"),
+    VERIFY_CASES,
+    ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-w{c.window}-{n}" for c, _, n in VERIFY_CASES],
+)
+def test_verify_steps_match_numpy(
+    decode_model: Callable[[DecodeConfig], Model],
+    session: InferenceSession,
+    config: DecodeConfig,
+    contexts: list[int],
+    new: list[int],
+) -> None:
+    worst = run_case(config, decode_model(config), session, contexts, seed=len(new), new=new)
+    assert worst <= (BF16_ATOL if config.dtype == DType.bfloat16 else F32_ATOL), worst

@@ -264,16 +264,6 @@ def test_cache_fit_check() -> None:
 # ------------------------------------------------------------------ real processes
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    requires_transformers()
-    from .pipeline_helpers import make_tiny_llama_dir
-
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_llama_dir(directory, seed=7)
-    return directory
-
-
 def max_generate(
     directory: Path,
     prompt: str,

@@ -116,7 +116,8 @@ def flash_attention[
     `window` is positive; it is 0 with the other two.
 
     On CPU maxkv's `cpu_attention` runs a decode step (one new token per
-    sequence) and every step over a cache whose encoding is not the query's
+    sequence), a step that verifies speculative drafts (at most `MAX_VERIFY`
+    new tokens per sequence) and every step over a cache whose encoding is not the query's
     dtype (MAX's CPU kernel needs them equal); MAX's generic kernel runs the
     rest (prefill and mixed steps over a cache in the model's dtype, and
     every step on a GPU, where the graph side refuses another encoding).

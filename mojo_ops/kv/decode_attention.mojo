@@ -1,8 +1,9 @@
 """maxkv's CPU attention over the cache: FlashDecoding-style, ragged, any cache encoding.
 
 `flash_attention` (attention.mojo) calls `cpu_attention` on the CPU when every
-sequence of the step has exactly one new token (a decode step), and for every
-step when the cache's encoding differs from the model's dtype (MAX's CPU
+sequence of the step has 1 to `MAX_VERIFY` new tokens (a decode step, or one
+that verifies speculative drafts), and for every step when the cache's
+encoding differs from the model's dtype (MAX's CPU
 kernel takes only a cache in the query's dtype); MAX's generic kernel runs
 the other steps.  `cpu_attention_applies` says whether the shapes suit it:
 `head_dim` a multiple of the SIMD width and whole groups of query heads per
@@ -18,9 +19,11 @@ The work is cut into items, each covering every KV head of one sequence: a
 K or V row `[kv_heads, head_dim]` is contiguous in both layouts, so an item
 streams its sequence's rows of one layer in order (one item per (sequence,
 KV head) would read them with a stride and measured about half the bandwidth
-here).  A sequence with several new tokens gets an item per block of `QB`
-query tokens; a decoding sequence (one new token) gets an item per context
-split.  An item reads `BLOCK` K rows, then the same V rows, SIMD over
+here).  A sequence with more than `MAX_VERIFY` new tokens gets an item per
+block of `QB` query tokens; a decoding sequence (one new token) gets an item
+per context split; a sequence verifying speculative drafts (2 to
+`MAX_VERIFY` new tokens) gets an item per token, each a decode item over the
+keys that token sees.  An item reads `BLOCK` K rows, then the same V rows, SIMD over
 `head_dim`, for all the query rows (its tokens x the `group` query heads
 that share a KV head) at once, so each K/V row is read from memory once per
 item and converted from the cache's encoding to float32 in the inner loop
@@ -60,6 +63,11 @@ comptime BLOCK = 64
 """Tokens per online-softmax block (their scores stay in L1)."""
 comptime QB = 4
 """Query tokens per item of a sequence with several new tokens."""
+comptime MAX_VERIFY = 8
+"""Most new tokens per sequence of a step this kernel takes over a cache in the
+query's dtype: a decode step (1), or one verifying speculative drafts (the
+pending token and its drafts), whose few query rows against a long context
+MAX's generic kernel, made for prefill, runs several times slower."""
 comptime MAX_GROUP = 8
 """Most query heads per KV head a decode step takes here (more: MAX's kernel)."""
 comptime MIN_SPLIT = 256
@@ -275,11 +283,13 @@ def cpu_attention_applies[
 def is_decode_step(
     input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...], batch: Int
 ) -> Bool:
-    """Whether every sequence of the step brings exactly one new token (host offsets)."""
+    """Whether every sequence of the step brings 1 to `MAX_VERIFY` new tokens
+    (host offsets): a decode step, or one that verifies speculative drafts."""
     if batch == 0:
         return False
     for b in range(batch):
-        if Int(input_row_offsets[b + 1]) - Int(input_row_offsets[b]) != 1:
+        var n = Int(input_row_offsets[b + 1]) - Int(input_row_offsets[b])
+        if n < 1 or n > MAX_VERIFY:
             return False
     return True
 
@@ -355,6 +365,8 @@ def cpu_attention[
             var splits = (visible_end(b, 0) - visible_start(b, 0) + split - 1) // split
             merged = merged or splits > 1
             items += splits
+        elif n <= MAX_VERIFY:
+            items += n  # verifying drafts: an item per token, each a decode over its keys
         else:
             items += (n + QB - 1) // QB
     first[unsafe_offset=batch] = items
@@ -370,9 +382,12 @@ def cpu_attention[
         comptime rows_max = QB
         var n_items = first[unsafe_offset=b + 1] - first[unsafe_offset=b]
         var decode = new_tokens(b) == 1
+        # A sequence verifying drafts: item i is its token i alone, every key
+        # it sees visible to its one query (as in a decode item).
+        var single = decode or new_tokens(b) <= MAX_VERIFY
         # The item's query tokens [t0, t0 + nq) and key positions [start, end).
-        var t0 = 0 if decode else i * QB
-        var nq = 1 if decode else min(QB, new_tokens(b) - t0)
+        var t0 = 0 if decode else (i if single else i * QB)
+        var nq = 1 if single else min(QB, new_tokens(b) - t0)
         var start: Int
         var end: Int
         if decode:
@@ -400,7 +415,7 @@ def cpu_attention[
                 var row = qbuf.unsafe_load[width=head_dim](r * head_dim)
                 qbuf.unsafe_store(r * head_dim, Codec.rotate(row) * unrotate)
         var t = start
-        # A decoding item of grouped queries: blocks of keys, each KV head's
+        # A decoding (or verifying) item of grouped queries: blocks of keys, each KV head's
         # query rows R at a time (`_decode_rows`); every key of the item is
         # visible.  The next block's row pointers are ready before a block
         # starts, so each head's pass asks for its slice of the next block as
@@ -409,7 +424,7 @@ def cpu_attention[
         # query head per KV head there is nothing to share a decoded row
         # with, and the per-head passes measured slower than the loop below,
         # which streams whole rows.
-        var by_head = decode and group > 1
+        var by_head = single and group > 1
         if by_head:
             _row_ptrs(kv, layer, b, t, min(BLOCK, end - t), k_rows, v_rows)
         var slot = 0

@@ -26,7 +26,7 @@ imports no cache, graph or model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,7 +71,10 @@ class SpeculativeConfig:
         require_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         require_int("max_batch_tokens", self.max_batch_tokens, 1)
         self.lookup()  # validates the n-gram lengths
-        self.policy()  # and the policy's settings
+        # and the policy's settings, those an adaptive policy would use included
+        SpeculationPolicy(
+            self.num_speculative_tokens, self.row_cost, max_batch_tokens=self.max_batch_tokens
+        )
 
     def lookup(self) -> PromptLookup:
         """The drafter these settings describe."""
@@ -247,7 +250,7 @@ class SpeculationPolicy:
     decay: float = 0.8
     max_pause: int = 64
     adaptive: bool = True
-    _records: dict[int, _SequenceRecord] = field(default_factory=dict, repr=False)
+    _records: dict[Hashable, _SequenceRecord] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -260,7 +263,7 @@ class SpeculationPolicy:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
 
-    def _record(self, seq_id: int) -> _SequenceRecord:
+    def _record(self, seq_id: Hashable) -> _SequenceRecord:
         record = self._records.get(seq_id)
         if record is None:
             record = self._records[seq_id] = _SequenceRecord(2 * self.prior, 2.0)
@@ -281,7 +284,7 @@ class SpeculationPolicy:
                 best, best_value = k, value
         return best
 
-    def draft_length(self, seq_id: int, batch_size: int) -> int:
+    def draft_length(self, seq_id: Hashable, batch_size: int) -> int:
         """Drafts sequence ``seq_id`` may propose in a step of ``batch_size`` sequences."""
         batch_size = require_int("batch_size", batch_size, 1)
         if not self.adaptive:
@@ -300,7 +303,7 @@ class SpeculationPolicy:
             record.paused = record.backoff
         return k
 
-    def record(self, seq_id: int, proposed: int, accepted: int) -> None:
+    def record(self, seq_id: Hashable, proposed: int, accepted: int) -> None:
         """Sequence ``seq_id`` proposed ``proposed`` drafts and ``accepted`` stood."""
         proposed = require_int("proposed", proposed, 0)
         accepted = require_int("accepted", accepted, 0)
@@ -314,13 +317,13 @@ class SpeculationPolicy:
         if accepted:
             record.backoff = 0
 
-    def acceptance(self, seq_id: int) -> float:
+    def acceptance(self, seq_id: Hashable) -> float:
         """The running acceptance of ``seq_id`` (``prior`` before any draft)."""
         record = self._records.get(seq_id)
         if record is None:
             return self.prior
         return record.accepted / record.checked if record.checked else self.prior
 
-    def forget(self, seq_id: int) -> None:
+    def forget(self, seq_id: Hashable) -> None:
         """Drops a finished sequence's record (its id may be reused)."""
         self._records.pop(seq_id, None)

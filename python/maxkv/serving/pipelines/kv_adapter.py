@@ -28,7 +28,10 @@ MAX calls                   maxkv does
 ``runtime_inputs(batches)`` ``fetch(seq_ids, 1, active_lengths=...)``: the
                             per-device 4-tuples the model graph takes
 ``step(ctx)``               ``step({seq_id: newly processed tokens},
-                            tokens=...)``: full pages enter the prefix cache
+                            tokens=...)``: full pages enter the prefix cache;
+                            rows of rejected speculative drafts
+                            (:meth:`runtime_inputs_with_drafts`) are never
+                            committed, and their pages go back
 ``release(ctx)``            ``release(seq_id)``: pages return to the pool
                             (cached ones stay findable until evicted)
 ==========================  ===============================================
@@ -224,6 +227,31 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             return []
         seqs = [self._seq(ctx) for ctx in batch]
         return self.manager.fetch(seqs, 1, active_lengths=[c.tokens.active_length for c in batch])
+
+    def room(self, ctx: Any) -> int:
+        """Cache positions the request may take past its pending tokens this step
+        (speculative drafts): what ``max_seq_len`` leaves."""
+        seq = self._seq(ctx)
+        held = int(self.manager.cache_lengths[seq])
+        return self.manager.max_seq_len - held - int(ctx.tokens.active_length)
+
+    def runtime_inputs_with_drafts(
+        self, batch: Sequence[Any], drafts: Sequence[Sequence[int]]
+    ) -> tuple[list[CacheInputs], bool]:
+        """:meth:`runtime_inputs` for a step whose requests append ``drafts`` after
+        their pending tokens; the drafts' pages are reserved here.  Returns the
+        inputs and whether the drafts fit: where the free pages do not hold
+        them, the step's inputs are those without drafts (drafts never take
+        pages another request needs)."""
+        seqs = [self._seq(ctx) for ctx in batch]
+        active = [c.tokens.active_length for c in batch]
+        if any(drafts):
+            try:
+                extended = [n + len(d) for n, d in zip(active, drafts, strict=True)]
+                return self.manager.fetch(seqs, 1, active_lengths=extended), True
+            except CacheFullError:
+                pass
+        return self.manager.fetch(seqs, 1, active_lengths=active), not any(drafts)
 
     def runtime_inputs_for_leaf(
         self,

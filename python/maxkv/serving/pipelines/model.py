@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from max.driver import Buffer
+import numpy.typing as npt
+from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.nn.transformer import ReturnLogits
 from max.pipelines.architectures.llama3.model_config import Llama3Config
@@ -58,6 +59,7 @@ from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
 from ...tiers.store import TierConfig
+from .speculation import speculative_config
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
 logger = logging.getLogger("max.pipelines.maxkv")
@@ -147,6 +149,13 @@ class MaxkvInputs(ModelInputs):
     """int64 ``[total_tokens]`` on the model's device."""
     input_row_offsets: Buffer
     """uint32 ``[batch + 1]`` on the model's device."""
+    head_rows: Buffer | None = None
+    """With speculation (:data:`~maxkv.serving.pipelines.speculation.SPECULATIVE_ENV`):
+    int64 ``[rows]``, the rows the head reads: each sequence's last pending
+    token and its drafts after it."""
+    first_rows: npt.NDArray[np.int64] | None = None
+    """With :attr:`head_rows`: per sequence, its first head row (the one a step
+    without drafts reads), indices into the head's rows."""
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
@@ -243,10 +252,27 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
+        #: Prompt-lookup speculative decoding (``MAXKV_SPECULATIVE``), or ``None``.
+        self.speculative = speculative_config(self.pipeline_config)
         self.decoder = DecoderModel(
-            config, weights, self.maxkv_manager, session, output="logits", quantized=quantized
+            config,
+            weights,
+            self.maxkv_manager,
+            session,
+            output="logits",
+            quantized=quantized,
+            head_rows="given" if self.speculative else "last",
         )
         logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
+        if self.speculative is not None:
+            logger.info(
+                "maxkv: speculative decoding by prompt lookup: up to %d draft tokens per "
+                "greedy request, n-grams of %d to %d tokens%s",
+                self.speculative.num_speculative_tokens,
+                self.speculative.prompt_lookup_min,
+                self.speculative.prompt_lookup_max,
+                "" if self.speculative.adaptive else " (not adaptive)",
+            )
         if self.streaming is not None:
             logger.info(
                 "maxkv: attention sinks: every request keeps its first %d tokens (in whole "
@@ -270,28 +296,75 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         if len(replica_batches) != 1:
             raise ValueError("maxkv.pipelines does not support data parallelism")
         (batch,) = replica_batches
+        return self.prepare_speculative_inputs(batch, [[] for _ in batch], kv_cache_inputs)
+
+    def prepare_speculative_inputs(
+        self,
+        batch: Sequence[TextContext],
+        drafts: Sequence[Sequence[int]],
+        kv_cache_inputs: Any,
+    ) -> MaxkvInputs:
+        """A step whose sequences append ``drafts`` after their pending tokens (a
+        model built with speculation reads every drafted row; others take no
+        drafts)."""
         device = self.devices[0]
         if batch:
-            tokens = np.concatenate([np.asarray(c.tokens.active) for c in batch])
-            lengths = [c.tokens.active_length for c in batch]
+            tokens = np.concatenate(
+                [
+                    np.concatenate([np.asarray(c.tokens.active), np.asarray(d, np.int64)])
+                    for c, d in zip(batch, drafts, strict=True)
+                ]
+            )
+            lengths = [c.tokens.active_length + len(d) for c, d in zip(batch, drafts, strict=True)]
         else:
             tokens, lengths = np.zeros(0, np.int64), []
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
-        return MaxkvInputs(
+        inputs = MaxkvInputs(
             tokens=Buffer.from_numpy(tokens.astype(np.int64)).to(device),
             input_row_offsets=Buffer.from_numpy(offsets).to(device),
             kv_cache_inputs=kv_cache_inputs,
         )
+        if self.decoder.head_rows == "given":
+            counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+            ends = offsets[1:].astype(np.int64)
+            rows = (
+                np.concatenate([np.arange(e - n, e) for e, n in zip(ends, counts, strict=True)])
+                if batch
+                else np.zeros(0, np.int64)
+            )
+            inputs.head_rows = Buffer.from_numpy(rows.astype(np.int64)).to(device)
+            inputs.first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        elif any(drafts):
+            raise ValueError("drafts need a model built with speculation (MAXKV_SPECULATIVE)")
+        return inputs
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
-        """One model step; the logits of each sequence's last token, float32 ``[batch, vocab]``."""
+        """One model step: the logits of each sequence's last token, float32
+        ``[batch, vocab]``; with drafts, ``logits`` holds every head row
+        (``[rows, vocab]``) and ``next_token_logits`` each sequence's first."""
         assert isinstance(model_inputs, MaxkvInputs)
         if not model_inputs.kv_cache_inputs:  # an empty batch: nothing to run
             empty = Buffer.from_numpy(np.zeros((0, self.config.vocab_size), np.float32))
             return ModelOutputs(logits=empty, next_token_logits=empty)
         (kv,) = model_inputs.kv_cache_inputs
-        logits = self.decoder.execute(model_inputs.tokens, model_inputs.input_row_offsets, kv)
-        return ModelOutputs(logits=logits, next_token_logits=logits)
+        tokens, offsets = model_inputs.tokens, model_inputs.input_row_offsets
+        if model_inputs.head_rows is None:
+            logits = self.decoder.execute(tokens, offsets, kv)
+            return ModelOutputs(logits=logits, next_token_logits=logits)
+        logits = self.decoder.execute(tokens, offsets, kv, model_inputs.head_rows)
+        first = model_inputs.first_rows
+        assert first is not None
+        if len(first) == logits.shape[0]:  # no drafts: one row per sequence
+            return ModelOutputs(logits=logits, next_token_logits=logits)
+        picked = np.ascontiguousarray(host_array(logits)[first])
+        next_token_logits = Buffer.from_numpy(picked).to(self.devices[0])
+        return ModelOutputs(logits=logits, next_token_logits=next_token_logits)
+
+
+def host_array(buffer: Buffer) -> np.ndarray:
+    """``buffer``'s values in host memory (copied from a device)."""
+    array: np.ndarray = (buffer if buffer.device.is_host else buffer.to(CPU())).to_numpy()
+    return array
 
 
 def checkpoint_path(pipeline_config: Any) -> Path:
