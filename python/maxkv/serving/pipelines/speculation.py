@@ -77,7 +77,9 @@ def speculative_config(pipeline_config: Any = None) -> SpeculativeConfig | None:
 
     ``num_speculative_tokens`` is MAX's ``--num-speculative-tokens`` where MAX
     passes it to the pipeline (``pipeline_config.speculative``), else
-    :data:`NUM_SPECULATIVE_TOKENS_ENV`, else 4.
+    :data:`NUM_SPECULATIVE_TOKENS_ENV`, else 4.  (MAX 26.7 passes it only with
+    ``--speculative-method``, whose methods run MAX's own speculative
+    pipeline: in practice the variable sets it.)
 
     Raises:
         ValueError: For a method other than :data:`SPECULATIVE_METHODS`, or
