@@ -498,12 +498,13 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(requests: list[Request], elapsed: float, counters: dict[str, Any]) -> dict[str, Any]:
+def request_stats(requests: list[Request], elapsed: float) -> dict[str, Any]:
+    """What the clients saw: failures, output tokens and tokens/s, time to first
+    chunk and gaps between chunks (p50/p90/p99)."""
     ok = [r for r in requests if r.error is None]
     ttft = [r.chunk_times[0] - r.sent for r in ok if r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     tokens = sum(r.output_tokens for r in ok)
-    seen = counters["hit_tokens"] + counters["miss_tokens"]
     return {
         "requests": len(requests),
         "failed": len(requests) - len(ok),
@@ -513,6 +514,13 @@ def summarize(requests: list[Request], elapsed: float, counters: dict[str, Any])
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "ttft_s": percentiles(ttft),
         "itl_s": percentiles(itl),
+    }
+
+
+def summarize(requests: list[Request], elapsed: float, counters: dict[str, Any]) -> dict[str, Any]:
+    seen = counters["hit_tokens"] + counters["miss_tokens"]
+    return {
+        **request_stats(requests, elapsed),
         "prefix_cache": {
             "hit_tokens": counters["hit_tokens"],
             "miss_tokens": counters["miss_tokens"],

@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from maxkv_bench.report import machine_info
-from serve import Request, model_directory, percentiles, server, stream_chat
+from serve import Request, model_directory, percentiles, request_stats, server, stream_chat
 from speculative import workload_prompts
 
 SIDES = ("maxkv", "maxkv-ngram", "vllm", "vllm-ngram")
@@ -74,26 +74,19 @@ async def run_workload(
 
 
 def summarize(requests: list[Request], elapsed: float, log: str) -> dict[str, Any]:
-    ok = [r for r in requests if r.error is None]
-    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    """``serve.request_stats``, each request's time per output token, and the
+    drafts the server's log (a stretch of it) counts."""
     tpot = [
         (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1)
-        for r in ok
-        if r.chunk_times and r.output_tokens > 1
+        for r in requests
+        if r.error is None and r.chunk_times and r.output_tokens > 1
     ]
-    tokens = sum(r.output_tokens for r in ok)
     accepted = drafted = 0
     for match in _DRAFTS.finditer(log):
         accepted += int(match.group(1))
         drafted += int(match.group(2))
     return {
-        "requests": len(requests),
-        "failed": len(requests) - len(ok),
-        "errors": sorted({r.error for r in requests if r.error})[:3],
-        "output_tokens": tokens,
-        "duration_s": elapsed,
-        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-        "itl_s": percentiles(itl),
+        **request_stats(requests, elapsed),
         "tpot_s": percentiles(tpot),
         "drafted": drafted,
         "accepted": accepted,

@@ -225,8 +225,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         (batch,) = batches
         if not batch:
             return []
-        seqs = [self._seq(ctx) for ctx in batch]
-        return self.manager.fetch(seqs, 1, active_lengths=[c.tokens.active_length for c in batch])
+        inputs, _ = self.runtime_inputs_with_drafts(batch, [[] for _ in batch])
+        return inputs
 
     def room(self, ctx: Any) -> int:
         """Cache positions the request may take past its pending tokens this step

@@ -309,12 +309,13 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         drafts)."""
         device = self.devices[0]
         if batch:
-            tokens = np.concatenate(
-                [
-                    np.concatenate([np.asarray(c.tokens.active), np.asarray(d, np.int64)])
-                    for c, d in zip(batch, drafts, strict=True)
+            pieces = [np.asarray(c.tokens.active) for c in batch]
+            if any(drafts):  # each sequence's drafts after its pending tokens
+                pieces = [
+                    np.concatenate([p, np.asarray(d, np.int64)])
+                    for p, d in zip(pieces, drafts, strict=True)
                 ]
-            )
+            tokens = np.concatenate(pieces)
             lengths = [c.tokens.active_length + len(d) for c, d in zip(batch, drafts, strict=True)]
         else:
             tokens, lengths = np.zeros(0, np.int64), []
