@@ -19,6 +19,17 @@ run one after the other, never at once.  Workloads:
 - ``longdoc``: the questions behind one shared ~4,000-token system prompt (the
   opening of the GPL-3 text in ``/usr/share/common-licenses``), 64 new tokens:
   decode steps that read long contexts (needs ``--max-length`` of 4608 or more).
+- ``rag``: RAG questions (``examples/data/rag_corpus.json``, gold answers in
+  ``benchmarks/data/rag_answers.json``): a short system prompt, then 4 to 6
+  retrieved passages of 196 to 237 tokens drawn from a pool of 10 (the
+  question's own, each request in its own seeded order, with a passage more
+  or fewer drawn at random), then the question; 32 new tokens (needs
+  ``--max-length`` of 2048).  The passages are separated by CacheBlend's
+  separator for the ``maxkv-blend`` side (``max serve`` on maxkv with
+  ``MAXKV_BLEND=1``) and the separator is left out for the other sides, so
+  every side's model reads the same text.  Reported besides the usual:
+  answer F1 against the gold answers, and how many first streamed pieces
+  equal those of ``maxkv`` (the same server prefilling every token).
 
 Greedy (temperature 0) everywhere.  Per side and workload: output tokens/s
 (all output tokens / wall time of the workload), time to first token and
@@ -56,8 +67,8 @@ from typing import Any
 
 import numpy as np
 
-SIDES = ("maxkv", "max", "vllm")
-WORKLOADS = ("plain", "system", "multiturn", "longdoc")
+SIDES = ("maxkv", "max", "vllm", "maxkv-blend")
+WORKLOADS = ("plain", "system", "multiturn", "longdoc", "rag")
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -202,6 +213,7 @@ class Request:
     messages: list[dict[str, str]]
     max_tokens: int
     text: str = ""
+    first_piece: str = ""
     output_tokens: int = 0
     sent: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
@@ -272,11 +284,13 @@ def server(
         ]
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1")
         env.update(getattr(args, "vllm_env", {}))
-    if side == "maxkv":
+    if side.startswith("maxkv"):
         from maxkv.pipelines import CUSTOM_ARCHITECTURES
 
         command[2:2] = ["--custom-architectures", CUSTOM_ARCHITECTURES]
         env.update(dict(kv.split("=", 1) for kv in args.maxkv_env))
+        if side == "maxkv-blend":
+            env["MAXKV_BLEND"] = "1"
     log = log_path.open("w")
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -343,6 +357,7 @@ async def stream_chat(client: Any, url: str, model: str, request: Request) -> No
     except Exception as error:  # a failed request is reported, not fatal
         request.error = f"{type(error).__name__}: {error}"
     request.text = "".join(pieces)
+    request.first_piece = pieces[0] if pieces else ""
     if not request.output_tokens:
         request.output_tokens = len(request.chunk_times)
 
@@ -362,13 +377,93 @@ def long_system_prompt() -> str:
     return "You answer questions. Here is a document for reference.\n\n" + text
 
 
-def workload_requests(workload: str, concurrency: int, count: int) -> list[list[Request]]:
+#: What the ``rag`` workload reads.
+RAG_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "data" / "rag_corpus.json"
+RAG_ANSWERS = Path(__file__).resolve().parent / "data" / "rag_answers.json"
+RAG_SYSTEM_PROMPT = "You answer questions about Brinsey Island from the passages the user gives."
+#: CacheBlend's separator (maxkv's default, LMCache's ``blend_special_str``).
+BLEND_SEPARATOR = " # # "
+RAG_MAX_LENGTH = 2048
+
+
+def rag_requests(count: int, blend: bool) -> list[list[Request]]:
+    """``count`` RAG requests; with ``blend``, passages separated by :data:`BLEND_SEPARATOR`."""
+    corpus = json.loads(RAG_CORPUS.read_text())
+    pool = sorted(corpus["chunks"])
+    questions = corpus["questions"]
+    separator = BLEND_SEPARATOR if blend else ""
+    requests = []
+    for i in range(count):
+        q = questions[i % len(questions)]
+        rng = random.Random(i)
+        names = list(q["chunks"])
+        extra = rng.random()
+        if extra < 0.3 and len(names) < 6:
+            names.append(rng.choice([n for n in pool if n not in names]))
+        elif extra > 0.7 and len(names) > 4:
+            names.remove(rng.choice([n for n in names if n != q["chunks"][-1]] or names))
+        rng.shuffle(names)
+        pieces = ["Passages:\n\n", *(corpus["chunks"][n] + "\n\n" for n in names)]
+        content = separator.join(pieces) + separator + f"Question: {q['question']}"
+        messages = [
+            {"role": "system", "content": RAG_SYSTEM_PROMPT},
+            {"role": "user", "content": content},
+        ]
+        requests.append([Request(f"rag/{i}", messages, 32)])
+    return requests
+
+
+def rag_quality(requests: list[Request]) -> dict[str, Any]:
+    """Mean answer F1 (lower-cased words) against the gold answers, and mean recall
+    (the share of the gold answer's words the answer holds: F1 is low for any
+    sentence-long answer to a one-word gold answer)."""
+    gold = json.loads(RAG_ANSWERS.read_text())["answers"]
+    f1, recall = [], []
+    for request in requests:
+        question = request.messages[-1]["content"].rsplit("Question: ", 1)[1]
+        f1.append(word_f1(request.text, gold[question]))
+        recall.append(word_recall(request.text, gold[question]))
+    return {
+        "answer_f1": float(np.mean(f1)) if f1 else None,
+        "answer_recall": float(np.mean(recall)) if recall else None,
+    }
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def word_recall(text: str, gold: str) -> float:
+    """The share of ``gold``'s words (with repeats) that ``text`` holds."""
+    from collections import Counter
+
+    a, b = words(text), words(gold)
+    return sum((Counter(a) & Counter(b)).values()) / len(b) if b else 1.0
+
+
+def word_f1(text: str, gold: str) -> float:
+    """SQuAD's token F1 of lower-cased words (punctuation dropped)."""
+    from collections import Counter
+
+    a, b = words(text), words(gold)
+    common = sum((Counter(a) & Counter(b)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(a), common / len(b)
+    return 2 * precision * recall / (precision + recall)
+
+
+def workload_requests(
+    workload: str, concurrency: int, count: int, side: str = ""
+) -> list[list[Request]]:
     """The requests of a workload, as one list per client stream of dependent turns.
 
     ``plain`` and ``system``: ``count`` independent requests (one-element
     lists).  ``multiturn``: ``concurrency`` conversations; turn *k* is built
     from turn *k - 1*'s answer when it is sent.
     """
+    if workload == "rag":
+        return rag_requests(count, blend=side == "maxkv-blend")
     if workload == "multiturn":
         return [
             [
@@ -401,13 +496,18 @@ def workload_requests(workload: str, concurrency: int, count: int) -> list[list[
 
 
 async def run_workload(
-    url: str, model: str, workload: str, concurrency: int, args: argparse.Namespace
+    url: str,
+    model: str,
+    workload: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    side: str = "",
 ) -> tuple[list[Request], float]:
     """Sends the workload; returns its requests and its wall time (first send to last byte)."""
     import httpx
 
     count = args.requests or 3 * concurrency
-    streams = workload_requests(workload, concurrency, count)
+    streams = workload_requests(workload, concurrency, count, side)
     done: list[Request] = []
     timeout = httpx.Timeout(args.request_timeout)
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -529,6 +629,7 @@ def summarize(requests: list[Request], elapsed: float, counters: dict[str, Any])
         "preemptions_logged": counters["preemptions_logged"],
         "profile": profile(counters["batches"], elapsed),
         "texts": {r.key: r.text for r in requests},
+        "first_pieces": {r.key: r.first_piece for r in requests},
     }
 
 
@@ -551,17 +652,25 @@ def profile(batches: dict[str, dict[str, Any]], elapsed: float) -> dict[str, flo
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """maxkv / each other side (MAX, vLLM) per workload and concurrency."""
+    """maxkv / each other side (MAX, vLLM) per workload and concurrency; for ``rag``,
+    ``maxkv-blend`` / each other side (``maxkv`` included) where it ran."""
     rows = []
     by_key = {(r["side"], r["workload"], r["concurrency"]): r for r in runs}
     for (side, workload, concurrency, peer), ours in sorted(
-        ((*key, peer), run) for key, run in by_key.items() for peer in SIDES[1:]
+        ((*key, peer), run) for key, run in by_key.items() for peer in SIDES
     ):
         theirs = by_key.get((peer, workload, concurrency))
-        if side != "maxkv" or theirs is None:
+        blend_ran = ("maxkv-blend", workload, concurrency) in by_key
+        base = "maxkv-blend" if workload == "rag" and blend_ran else "maxkv"
+        if side != base or peer == base or theirs is None:
             continue
         same = sum(
             1 for k, text in ours["texts"].items() if theirs["texts"].get(k) == text and text
+        )
+        first = sum(
+            1
+            for k, piece in ours.get("first_pieces", {}).items()
+            if piece and theirs.get("first_pieces", {}).get(k) == piece
         )
 
         def ratio(a: float | None, b: float | None) -> float | None:
@@ -576,6 +685,11 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_p50_ratio": ratio(ours["ttft_s"]["p50"], theirs["ttft_s"]["p50"]),
                 "itl_p90_ratio": ratio(ours["itl_s"]["p90"], theirs["itl_s"]["p90"]),
                 "same_texts": same,
+                "same_first_pieces": first,
+                "answer_f1_ratio": ratio(ours.get("answer_f1"), theirs.get("answer_f1")),
+                "answer_recall_ratio": ratio(
+                    ours.get("answer_recall"), theirs.get("answer_recall")
+                ),
                 "requests": len(ours["texts"]),
             }
         )
@@ -587,26 +701,26 @@ def print_table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
         return "-" if x is None else f"{1000 * x:.0f}"
 
     print(
-        f"{'workload':<10} {'C':>3} {'side':<6} {'tok/s':>7} {'TTFT p50/p90/p99 ms':>22} "
+        f"{'workload':<10} {'C':>3} {'side':<11} {'tok/s':>7} {'TTFT p50/p90/p99 ms':>22} "
         f"{'ITL p50/p90/p99 ms':>20} {'hit rate':>8} {'preempt':>7} {'failed':>6}"
     )
     for r in runs:
         t, i = r["ttft_s"], r["itl_s"]
         print(
-            f"{r['workload']:<10} {r['concurrency']:>3} {r['side']:<6} {r['tokens_per_s']:>7.1f} "
+            f"{r['workload']:<10} {r['concurrency']:>3} {r['side']:<11} {r['tokens_per_s']:>7.1f} "
             f"{ms(t['p50']):>8}/{ms(t['p90']):>6}/{ms(t['p99']):>6} "
             f"{ms(i['p50']):>7}/{ms(i['p90']):>5}/{ms(i['p99']):>6} "
             f"{r['prefix_cache']['hit_rate']:>8.1%} {r['preemptions_logged']:>7} {r['failed']:>6}"
         )
     print()
     print(
-        f"{'workload':<10} {'C':>3} {'side':<6} {'prefill s':>9} {'tokens':>7} {'ms/tok':>6} "
+        f"{'workload':<10} {'C':>3} {'side':<11} {'prefill s':>9} {'tokens':>7} {'ms/tok':>6} "
         f"{'decode s':>8} {'steps':>6} {'ms/step':>7} {'rows':>5} {'other s':>7}"
     )
     for r in runs:
         p = r["profile"]
         print(
-            f"{r['workload']:<10} {r['concurrency']:>3} {r['side']:<6} {p['prefill_s']:>9.2f} "
+            f"{r['workload']:<10} {r['concurrency']:>3} {r['side']:<11} {p['prefill_s']:>9.2f} "
             f"{p['prefill_tokens']:>7} {p['prefill_ms_per_token']:>6.2f} {p['decode_s']:>8.2f} "
             f"{p['decode_batches']:>6} {p['decode_ms_per_batch']:>7.1f} "
             f"{p['decode_rows_per_batch']:>5.1f} {p['other_s']:>7.2f}"
@@ -617,10 +731,17 @@ def print_table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
         def f(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f}x"
 
+        ours = "maxkv-blend" if row["workload"] == "rag" else "maxkv"
+        quality = ""
+        if row.get("answer_f1_ratio") is not None:
+            quality = (
+                f"; same first pieces {row['same_first_pieces']}/{row['requests']}, answer F1 "
+                f"{f(row['answer_f1_ratio'])}, recall {f(row['answer_recall_ratio'])}"
+            )
         print(
-            f"{row['workload']:<10} C={row['concurrency']:<3} maxkv/{row['against']}: throughput "
+            f"{row['workload']:<10} C={row['concurrency']:<3} {ours}/{row['against']}: throughput "
             f"{f(row['throughput_ratio'])}, TTFT p50 {f(row['ttft_p50_ratio'])}, ITL p90 "
-            f"{f(row['itl_p90_ratio'])}; same texts {row['same_texts']}/{row['requests']}"
+            f"{f(row['itl_p90_ratio'])}; same texts {row['same_texts']}/{row['requests']}" + quality
         )
 
 
@@ -727,6 +848,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if set(args.sides) - set(SIDES) or set(args.workloads) - set(WORKLOADS):
         parser.error(f"sides are {SIDES}, workloads {WORKLOADS}")
+    if "rag" in args.workloads and args.max_length < RAG_MAX_LENGTH:
+        parser.error(f"the rag workload needs --max-length {RAG_MAX_LENGTH} or more")
     if "longdoc" in args.workloads and args.max_length < LONGDOC_MAX_LENGTH:
         parser.error(f"the longdoc workload needs --max-length {LONGDOC_MAX_LENGTH} or more")
     if min(args.concurrency, default=0) < 1:
@@ -757,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
                 for workload in args.workloads:
                     offset = log_path.stat().st_size
                     requests, elapsed = asyncio.run(
-                        run_workload(url, str(model_dir), workload, concurrency, args)
+                        run_workload(url, str(model_dir), workload, concurrency, args, side)
                     )
                     time.sleep(1.5)  # let the last batch's log line land
                     with log_path.open() as log:
@@ -770,6 +893,7 @@ def main(argv: list[str] | None = None) -> int:
                         "concurrency": concurrency,
                         "startup_s": startup_s,
                         **summarize(requests, elapsed, counters),
+                        **(rag_quality(requests) if workload == "rag" else {}),
                     }
                     runs.append(run)
                     print(

@@ -116,6 +116,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model as a Hugging Face directory (what ``max serve`` loads)."""
+    from maxkv.models.export import export_hf_directory
+
+    return export_hf_directory(smollm2, tmp_path_factory.mktemp("smollm2_hf") / "model")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_gguf: Path) -> LoadedModel:
     """The real model: configuration, float32 weights and tokenizer."""
     from maxkv.models.resolve import open_model

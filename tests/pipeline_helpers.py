@@ -194,9 +194,15 @@ SERVER_FLAGS = (
 
 @contextmanager
 def running_server(
-    model: Path, directory: Path, extra_env: dict[str, str] | None = None
+    model: Path,
+    directory: Path,
+    extra_env: dict[str, str] | None = None,
+    *,
+    flags: tuple[str, ...] = SERVER_FLAGS,
 ) -> Iterator[Server]:
-    """``max serve`` on maxkv (paged, prefix caching) on 127.0.0.1; stopped in a ``finally``."""
+    """``max serve`` on maxkv (paged, prefix caching) on 127.0.0.1; stopped in a ``finally``.
+
+    ``flags``: the server's flags (default :data:`SERVER_FLAGS`; later ones win)."""
     port = _free_port()
     events, log_path = directory / "events.jsonl", directory / "serve.log"
     log = log_path.open("w")
@@ -211,7 +217,7 @@ def running_server(
         [
             MAX_CLI,
             "serve",
-            *max_pipeline_args(model, *SERVER_FLAGS),
+            *max_pipeline_args(model, *SERVER_FLAGS, *flags),
             *("--host", "127.0.0.1", "--port", str(port)),
         ],
         stdout=log,

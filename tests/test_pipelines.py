@@ -484,6 +484,18 @@ def test_max_serve_concurrent_completions(max_server: Server) -> None:
     )
 
 
+@pytest.mark.serve
+def test_a_blend_separator_is_text_on_a_server_without_blending(max_server: Server) -> None:
+    """Without MAXKV_BLEND the separator is part of the prompt (tokenized with it),
+    and a separator at the end is no error."""
+    for prompt in ["Notes: # # Ann has a kite. # # Who has a kite?", "abc # # "]:
+        status, body = complete(max_server, prompt)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == transformers_completion(
+            max_server.model, prompt, NEW_TOKENS
+        )
+
+
 SHARED = "You are a helpful assistant. Answer briefly and kindly. " * 2  # 112 tokens
 
 

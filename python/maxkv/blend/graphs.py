@@ -273,6 +273,18 @@ class LayerGraphs:
         v: np.ndarray,
     ) -> None:
         """Writes one layer's K/V ``[N, kv_heads, dim]`` at the fetched sequence's cache length."""
+        n = k.shape[0]
+        (written,) = self.writer(manager).execute(
+            *inputs,
+            _f32(k.reshape(n, self.kv_width)),
+            _f32(v.reshape(n, self.kv_width)),
+            Buffer.from_numpy(np.array([0, n], dtype=np.uint32)),
+            Buffer.from_numpy(np.array(layer, dtype=np.uint32)),
+        )
+        written.to_numpy()
+
+    def writer(self, manager: KVCacheManagerBase) -> Model:
+        """The graph :meth:`write` runs for ``manager``'s cache (compiled once per layout)."""
         fetcher = manager.collection_fetcher()
         key = (type(fetcher).__name__, getattr(fetcher, "page_size", None), manager.num_layers)
         if key not in self._writers:
@@ -292,15 +304,7 @@ class LayerGraphs:
                     kvops.write_kv_ragged(manager.params, keys, values, offsets, kv, layer_idx)
                 )
             self._writers[key] = self._load(g)
-        n = k.shape[0]
-        (written,) = self._writers[key].execute(
-            *inputs,
-            _f32(k.reshape(n, self.kv_width)),
-            _f32(v.reshape(n, self.kv_width)),
-            Buffer.from_numpy(np.array([0, n], dtype=np.uint32)),
-            Buffer.from_numpy(np.array(layer, dtype=np.uint32)),
-        )
-        written.to_numpy()
+        return self._writers[key]
 
 
 def check_blendable(config: DecoderConfig) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
+from ..cache.paged import PagedKVCacheManager
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import KVCacheInputs
 from ..models.config import DecoderConfig
@@ -82,38 +83,78 @@ class BlendedPrefill:
         executor: BlendExecutor | None,
         manager: KVCacheManagerBase,
         seq_id: int,
+        *,
+        start: int = 0,
     ) -> np.ndarray:
-        """Blended prefill of ``tokens`` into ``seq_id`` (claimed, empty); commits them.
+        """Blended prefill of ``tokens[start:]`` into ``seq_id``; commits them.
+
+        ``seq_id`` holds ``tokens[:start]`` already (exact KV: a prefix reused
+        from the prefix cache; ``start`` > 0 needs a
+        :class:`~maxkv.PagedKVCacheManager` in host memory) and nothing else;
+        the new tokens attend to it at every layer.  ``task`` covers
+        ``tokens[start:]`` only.  The commit passes no token ids: callers
+        with prefix caching mark the blended KV with
+        :meth:`~maxkv.PagedKVCacheManager.approximate_from` and commit
+        through their own protocol instead (see :meth:`write`).
 
         Returns:
             float32 logits ``[vocab]`` of the last token.
         """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if manager.cache_lengths[seq_id] != 0:
-            raise ValueError(f"seq_id {seq_id} must be empty for a blended prefill")
-        (inputs,) = manager.fetch([seq_id], active_lengths=[len(tokens)])
-        kv = KVCacheInputs(*inputs)  # one cache of every layer (not a hybrid one)
-        layers = self._layers(tokens, task, executor)
-        for layer, (k, v) in enumerate(layers):
-            self.graphs.write(manager, kv, layer, k, v)
-        manager.step({seq_id: len(tokens)})
+        self.write(tokens, task, executor, manager, seq_id, start=start)
+        manager.step({seq_id: len(tokens) - start})
         assert self._last_hidden is not None
         logits: np.ndarray = self.graphs.head(self.weights, self._last_hidden)[0]
         return logits
+
+    def write(
+        self,
+        tokens: np.ndarray,
+        task: BlendRetrieverTask | None,
+        executor: BlendExecutor | None,
+        manager: KVCacheManagerBase,
+        seq_id: int,
+        *,
+        start: int = 0,
+    ) -> None:
+        """:meth:`prefill` without the commit and the head: the blended K/V of
+        ``tokens[start:]`` are written at ``seq_id``'s cache length, for the
+        caller to commit (``manager.step``)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if not 0 <= start < len(tokens):
+            raise ValueError(f"start {start} must be in [0, {len(tokens)})")
+        if manager.cache_lengths[seq_id] != start:
+            raise ValueError(
+                f"seq_id {seq_id} holds {manager.cache_lengths[seq_id]} tokens, not the "
+                f"{start} a blended prefill from {start} continues"
+            )
+        context = None
+        if start:
+            if not isinstance(manager, PagedKVCacheManager):
+                raise ValueError("a blended prefill after cached tokens needs the paged cache")
+            context = manager.read_tokens(seq_id, 0, start).astype(np.float32)
+        (inputs,) = manager.fetch([seq_id], active_lengths=[len(tokens) - start])
+        kv = KVCacheInputs(*inputs)  # one cache of every layer (not a hybrid one)
+        layers = self._layers(tokens, task, executor, start, context)
+        for layer, (k, v) in enumerate(layers):
+            self.graphs.write(manager, kv, layer, k, v)
 
     def _layers(
         self,
         tokens: np.ndarray,
         task: BlendRetrieverTask | None,
         executor: BlendExecutor | None,
+        start: int = 0,
+        context: np.ndarray | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yields each layer's long ``(k, v)``; leaves the last token's hidden row."""
+        """Yields each layer's long ``(k, v)`` of ``tokens[start:]``, which attend to
+        ``context`` (``[2, layers, start, kv_heads, dim]``, the K/V of
+        ``tokens[:start]``) too; leaves the last token's hidden row."""
         c = self.config
-        h = self._arrays["embed_tokens"][tokens]
+        h = self._arrays["embed_tokens"][tokens[start:]]
         if c.embed_scale is not None:
             h = h * np.float32(c.embed_scale)
-        positions = np.arange(len(tokens), dtype=np.int64)
-        starts = np.array([0, len(tokens)], dtype=np.int64)
+        positions = np.arange(start, len(tokens), dtype=np.int64)
+        starts = np.array([0, len(tokens) - start], dtype=np.int64)
         self.tokens_per_layer = []
         for layer in range(c.num_hidden_layers):
             q, k, v = self.graphs.qkv(self.weights, layer, h, positions)
@@ -139,7 +180,11 @@ class BlendedPrefill:
                 positions = out.positions
             self.tokens_per_layer.append(len(positions))
             yield out.k, out.v
-            h = self.graphs.attention_mlp(self.weights, layer, h, out.q, positions, out.k, out.v)
+            keys, values = out.k, out.v
+            if context is not None:
+                keys = np.concatenate([context[0, layer], keys])
+                values = np.concatenate([context[1, layer], values])
+            h = self.graphs.attention_mlp(self.weights, layer, h, out.q, positions, keys, values)
         self._last_hidden = h[-1:]
 
     _last_hidden: np.ndarray | None = None

@@ -72,12 +72,19 @@ class ChunkKVStore:
         )
 
     def key(
-        self, tokens: np.ndarray | list[int], context: np.ndarray | list[int] | None = None
+        self,
+        tokens: np.ndarray | list[int],
+        context: np.ndarray | list[int] | None = None,
+        *,
+        salt: str | None = None,
     ) -> str:
-        """The store key of a chunk: a hash of the model, the context and the token ids."""
+        """The store key of a chunk: a hash of the model, the tenant ``salt`` (a
+        request's ``cache_salt``), the context and the token ids."""
         ids = np.asarray(tokens, dtype=np.int64)
         before = np.asarray(context if context is not None else [], dtype=np.int64)
         digest = hashlib.sha256(self._model_tag.encode())
+        if salt is not None:
+            digest.update(b"salt\0" + salt.encode() + b"\0")
         digest.update(len(before).to_bytes(8, "little") + before.tobytes() + ids.tobytes())
         return digest.hexdigest()
 
@@ -102,19 +109,39 @@ class ChunkKVStore:
             return key
         k, v = self.prefill.kv(np.concatenate([before, tokens]))
         start = len(before)
-        kv = np.stack([k[:, start:], v[:, start:]]).astype(np.float32)
-        self.tiers.put(bytes.fromhex(key), kv, {"start": start})
+        self.put(key, k[:, start:], v[:, start:], start)
         self.tiers.flush()  # on disk (and Redis) before this returns: a restart finds it
         return key
 
-    def get(self, key: str) -> StoredKV | None:
+    def put(
+        self, key: str, k: np.ndarray, v: np.ndarray, start: int, *, tenant: str | None = None
+    ) -> None:
+        """Keeps a chunk's K and V ``[num_layers, tokens, kv_heads, head_dim]``, computed
+        with its first token at position ``start``, under ``key`` (signed for
+        ``tenant`` where it leaves the process); the disk and Redis copies are
+        written in the background."""
+        kv = np.stack([k, v]).astype(np.float32)
+        self.tiers.put(bytes.fromhex(key), kv, {"start": int(start)}, tenant=tenant)
+
+    def get(self, key: str, *, tenant: str | None = None) -> StoredKV | None:
         """A chunk's ``(k, v, start)``: K and V ``[num_layers, tokens, kv_heads,
-        head_dim]`` and the position its first token had; ``None`` if no tier has it."""
-        found = self.tiers.get(bytes.fromhex(key))
+        head_dim]`` and the position its first token had; ``None`` if no tier has
+        it (or a copy from disk or Redis failed its check for ``tenant``)."""
+        found = self.tiers.get(bytes.fromhex(key), tenant=tenant)
         if found is None:
             return None
         kv, extra = found
-        return kv[0], kv[1], int(extra["start"])
+        start = extra.get("start")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            return None  # a block of this layout, but not a chunk's
+        if start + kv.shape[2] > self.positions:
+            return None  # re-rotating it would read past the model's RoPE table
+        return kv[0], kv[1], start
+
+    @property
+    def positions(self) -> int:
+        """Positions the model's RoPE table holds (a chunk's must lie below)."""
+        return int(self.prefill.graphs.shapes["rope.freqs_cis"][0])
 
     def __len__(self) -> int:
         """Chunks in host memory."""

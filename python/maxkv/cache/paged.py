@@ -139,6 +139,8 @@ class SwappedSequence:
     first_page: int = 0
     #: Its attention sinks (:meth:`PagedKVCacheManager.enable_sliding_window`).
     stream: _Stream | None = None
+    #: Its KV is approximate from this position (:meth:`PagedKVCacheManager.approximate_from`).
+    approximate_from: int | None = None
     number: int = field(default_factory=lambda: next(_swap_numbers))
 
     @property
@@ -282,6 +284,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._tokens: dict[int, list[int]] = {}
         self._salts: dict[int, str | None] = {}
         self._hashes: dict[int, list[bytes]] = {}
+        #: Sequences whose KV is approximate from a position on (approximate_from).
+        self._approximate: dict[int, int] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = self.cache_device.zeros(shape, self.params.cache_dtype)
         self._tier_config = tiers if tiers is not None else TierConfig()
@@ -363,6 +367,62 @@ class PagedKVCacheManager(KVCacheManagerBase):
             if not 0 <= page < self.num_pages:
                 raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
             return self._pool.is_cached(page)
+
+    def read_tokens(self, seq_id: int, start: int, end: int) -> np.ndarray:
+        """A copy of the K and V of ``seq_id``'s committed tokens ``[start, end)``.
+
+        Between rounds; the cache must be in host memory (a CPU cache) in a
+        float encoding (float32 or float16, whose values NumPy reads as they are).
+
+        Returns:
+            ``[2, num_layers, end - start, n_kv_heads, head_dim]`` (axis 0: keys,
+            values) in the cache's dtype, from device 0.
+
+        Raises:
+            ValueError: For a range outside the committed tokens, a page given
+                back (sliding window), a cache off the host or a quantized one.
+        """
+        if self.params.cache_dtype not in (DType.float32, DType.float16):
+            raise ValueError(f"read_tokens reads float caches, not {self.params.encoding}")
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            length = int(self._lengths[seq])
+            if not 0 <= start <= end <= length:
+                raise ValueError(
+                    f"tokens [{start}, {end}) are outside seq_id {seq}'s {length} committed"
+                )
+            pages = self._page_lists[seq]
+            buffer = self._pages[0]
+            if not buffer.is_host:
+                raise ValueError("read_tokens needs the pages in host memory (a CPU cache)")
+            view = buffer.to_numpy()
+            rows = []
+            for first in range(start - start % self.page_size, end, self.page_size):
+                page = pages[first // self.page_size]
+                if page == UNUSED_PAGE:
+                    raise ValueError(f"seq_id {seq} gave back the page of token {first}")
+                lo, hi = max(start, first) - first, min(end, first + self.page_size) - first
+                rows.append(view[page, :, :, lo:hi])
+            if not rows:
+                shape = self.pages_shape(1)
+                return np.zeros((2, self.num_layers, 0, *shape[4:]), view.dtype)
+            return np.concatenate(rows, axis=2)
+
+    def approximate_from(self, seq_id: int, position: int) -> None:
+        """Marks ``seq_id``'s KV from ``position`` on as approximate (a CacheBlend
+        prefill reused it from elsewhere): pages holding any of it are never
+        registered in the prefix cache, so no other prompt takes them for the
+        exact KV of their tokens.  Pages wholly before ``position`` are
+        registered as usual.  Call it before the commit of those tokens.
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed or ``position`` is negative.
+        """
+        position = require_int("position", position, 0)
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            current = self._approximate.get(seq)
+            self._approximate[seq] = position if current is None else min(current, position)
 
     def storage_units(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
@@ -606,11 +666,12 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 continue  # its pages hold moved keys: not the prefix their tokens hash to
             held_tokens = self._tokens[seq_id]
             held_tokens.extend(ids)
+            exact = held_tokens[: self._approximate.get(seq_id, len(held_tokens))]
             hashes = self._hashes[seq_id]
             parent = hashes[-1] if hashes else root_hash(self._salts[seq_id])
             start = len(hashes) * self.page_size
             pages = self._page_lists[seq_id]
-            for block in block_hashes(held_tokens, self.page_size, parent, start):
+            for block in block_hashes(exact, self.page_size, parent, start):
                 index = len(hashes)
                 page = pages[index]
                 registered = self._pool.register(page, block)
@@ -707,6 +768,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 hashes=list(self._hashes.get(seq, [])),
                 first_page=gone,
                 stream=replace(self._streams[seq]) if seq in self._streams else None,
+                approximate_from=self._approximate.get(seq),
             )
             self._swapped[swapped.number] = nbytes
             self.release(seq)
@@ -781,6 +843,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 self._tokens[seq] = list(swapped.tokens or [])
                 self._salts[seq] = swapped.salt
                 self._hashes[seq] = list(swapped.hashes)
+            if swapped.approximate_from is not None:
+                self._approximate[seq] = swapped.approximate_from
             del self._swapped[swapped.number]
             return seq
 
@@ -807,6 +871,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         gone = self._given_back.pop(seq_id, 0)
         self._pool.free(reversed(self._page_lists.pop(seq_id)[gone:]))
         self._streams.pop(seq_id, None)
+        self._approximate.pop(seq_id, None)
         self._free_seq_ids.add(seq_id)
         for records in (self._tokens, self._salts, self._hashes):
             records.pop(seq_id, None)
@@ -1014,6 +1079,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             self._tokens[child] = self._tokens[parent][:fork_pos]
             self._salts[child] = self._salts[parent]
             self._hashes[child] = self._hashes[parent][:full]
+            if parent in self._approximate:
+                self._approximate[child] = min(self._approximate[parent], fork_pos)
         if partial:
             self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
 

@@ -22,7 +22,9 @@ several through):
   cannot carry (outside int64: MAX answers 500); ``echo`` with ``logprobs``
   (log probabilities of the prompt's tokens, which maxkv's graph does not
   compute; MAX's worker raises and the server goes down):
-  :func:`check_sampling`.
+  :func:`check_sampling`; with CacheBlend (``MAXKV_BLEND=1``), a prompt
+  whose chunk between two separators is empty or that ends with the
+  separator (:func:`~maxkv.serving.pipelines.blending.split_prompt`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ from typing import Any
 import numpy as np
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.lib import TextTokenizer
+from max.pipelines.lib.tokenizer import PromptTooLongError, run_with_default_executor
 from starlette.requests import ClientDisconnect
+
+from .blending import (
+    BlendConfig,
+    blend_starts_var,
+    piece_starts,
+    split_prompt,
+    with_blend_starts,
+)
 
 #: Request fields whose value must be at most 1.
 SINGLE_CHOICE_FIELDS = ("n", "best_of")
@@ -110,6 +121,8 @@ class MaxkvTextTokenizer(TextTokenizer):
 
     def __init__(self, model_path: str, pipeline_config: Any, **kwargs: Any) -> None:
         super().__init__(model_path, pipeline_config, **kwargs)
+        #: CacheBlend's settings (``MAXKV_BLEND``), or ``None``: separators are text.
+        self.blend = BlendConfig.from_env()
         sizes = [self.tokenizer_vocab_size]
         try:
             sizes.append(int(pipeline_config.model.huggingface_config.vocab_size))
@@ -125,6 +138,46 @@ class MaxkvTextTokenizer(TextTokenizer):
             check_token_ids(prompt, self.vocab_limit)  # before NumPy sees them
         return np.asarray(await super().encode(prompt, add_special_tokens))
 
+    async def _generate_prompt_and_token_ids(
+        self,
+        prompt: Sequence[int] | str | None,
+        messages: Any,
+        tools: Any = None,
+        **chat_template_options: Any,
+    ) -> tuple[str | list[int], np.ndarray]:
+        """MAX's prompt encoding; with blending, a prompt (or rendered chat) holding the
+        separator is encoded piece by piece, without the separators, and where the
+        pieces start is left in :data:`~maxkv.serving.pipelines.blending.blend_starts_var`."""
+        plain = self.blend is None or not (isinstance(prompt, str) or prompt is None)
+        chat = prompt is None
+        if plain or (chat and not isinstance(messages, list)):
+            result: tuple[
+                str | list[int], np.ndarray
+            ] = await super()._generate_prompt_and_token_ids(
+                prompt, messages, tools, **chat_template_options
+            )
+            return result
+        assert self.blend is not None
+        if chat:
+            text = await run_with_default_executor(
+                self.apply_chat_template, messages, tools, **chat_template_options
+            )
+        else:
+            assert isinstance(prompt, str)
+            text = prompt
+        pieces = split_prompt(text, self.blend.separator)
+        if len(pieces) == 1:
+            ids = await (self._encode_chat_prompt(text) if chat else self.encode(text, True))
+            return text, ids
+        encoded = [np.asarray(await self.encode(pieces[0], not chat), dtype=np.int64)]
+        for piece in pieces[1:]:
+            encoded.append(np.asarray(await self.encode(piece, False), dtype=np.int64))
+        ids = np.concatenate(encoded)
+        if self.max_length and len(ids) > self.max_length:
+            raise PromptTooLongError(len(ids), self.max_length)
+        blend_starts_var.set(piece_starts([len(e) for e in encoded]))
+        return "".join(pieces), ids
+
     async def new_context(self, request: Any) -> Any:
         if getattr(request, "echo", False) and getattr(request, "logprobs", 0):
             raise InputError(
@@ -133,13 +186,20 @@ class MaxkvTextTokenizer(TextTokenizer):
             )
         if request.sampling_params is not None:
             check_sampling(request.sampling_params, self.vocab_limit)
-        context = await super().new_context(request)
+        reset = blend_starts_var.set(None)
+        try:
+            context = await super().new_context(request)
+            starts = blend_starts_var.get()
+        finally:
+            blend_starts_var.reset(reset)
         ids = np.asarray(context.tokens.all)
         if ids.size == 0:
             raise InputError("the prompt has no tokens")
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit:
             # Whatever made them (a chat encoder, the tokenizer's own added tokens).
             check_token_ids(ids.tolist(), self.vocab_limit)
+        if starts is not None:
+            return with_blend_starts(context, starts)
         return context
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from max.driver import Buffer
 from max.graph.weights import WeightsFormat
-from max.pipelines.context import GenerationStatus, TextContext
+from max.pipelines.context import GenerationStatus
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.lib.log_probabilities import compute_log_probabilities_ragged
@@ -28,6 +28,7 @@ from max.pipelines.modeling.types import PipelineTask
 
 from ...models.family import registered_architectures
 from .api import MaxkvTextTokenizer
+from .blending import MaxkvTextContext
 from .kv_adapter import MaxkvKVManager
 from .model import MaxkvArchConfig, MaxkvPipelineModel, accept_maxkv_formats, host_array
 from .speculation import ServeSpeculation, SpeculationMetrics, completes_stop_string
@@ -58,7 +59,10 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
             if not isinstance(model, MaxkvPipelineModel):
                 raise TypeError(f"expected a maxkv pipeline model, got {type(model).__name__}")
             return MaxkvKVManager(
-                model.maxkv_manager, load_kwargs["params"], streaming=model.streaming
+                model.maxkv_manager,
+                load_kwargs["params"],
+                streaming=model.streaming,
+                blender=model.blender,
             )
 
         with _replaced(text_generation, "load_kv_manager", load_maxkv_manager):
@@ -274,7 +278,7 @@ def maxkv_architecture(name: str) -> SupportedArchitecture:
         supported_encodings={"float32"},
         pipeline_model=MaxkvPipelineModel,
         tokenizer=MaxkvTextTokenizer,
-        context_type=TextContext,
+        context_type=MaxkvTextContext,
         default_weights_format=WeightsFormat.safetensors,
         task=PipelineTask.TEXT_GENERATION,
         config=MaxkvArchConfig,

@@ -24,14 +24,21 @@ MAX calls                   maxkv does
                             preempts, and retries).  Also when a request
                             still prefilling will cache pages of this
                             prompt: it waits a batch and reuses them
-                            instead of computing them twice
+                            instead of computing them twice.  With
+                            CacheBlend (``MAXKV_BLEND``): the prompt up to
+                            its question is blended from stored chunks
+                            (``ServeBlender``) and skipped like a cached
+                            prefix; a request waits a batch for another
+                            computing one of its chunks, or when one was
+                            blended while this batch was built
 ``runtime_inputs(batches)`` ``fetch(seq_ids, 1, active_lengths=...)``: the
                             per-device 4-tuples the model graph takes
 ``step(ctx)``               ``step({seq_id: newly processed tokens},
                             tokens=...)``: full pages enter the prefix cache;
                             rows of rejected speculative drafts
                             (:meth:`runtime_inputs_with_drafts`) are never
-                            committed, and their pages go back
+                            committed, and their pages go back; chunks
+                            no tier held are stored once committed
 ``release(ctx)``            ``release(seq_id)``: pages return to the pool
                             (cached ones stay findable until evicted)
 ==========================  ===============================================
@@ -68,6 +75,7 @@ from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
 from ...errors import CacheFullError
+from .blending import ServeBlender
 
 
 class MaxkvKVManager(PagedKVCacheManagerInterface):
@@ -91,9 +99,14 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         params: Any,
         *,
         streaming: tuple[int, int] | None = None,
+        blender: ServeBlender | None = None,
     ) -> None:
         if streaming is not None and not isinstance(manager, PagedKVCacheManager):
             raise ValueError("maxkv: attention sinks need the paged cache")
+        if blender is not None and not isinstance(manager, PagedKVCacheManager):
+            raise ValueError("maxkv: CacheBlend (MAXKV_BLEND) needs the paged cache")
+        #: CacheBlend of requests with chunks (``MAXKV_BLEND``), or ``None``.
+        self.blender = blender
         self.manager = manager
         self.params = params
         self.streaming = streaming
@@ -158,9 +171,17 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                     if cached:
                         tokens.rewind_processing(cached)
                 raise InsufficientBlocksError(f"maxkv: {error}") from error
+            if started and self.blender is not None:
+                assert isinstance(self.manager, PagedKVCacheManager)
+                blended = self.blender.begin(ctx, self.manager, seq, cached)
+                if blended:  # committed as a cached prefix is: the request skips them
+                    ids = ctx.tokens.all[cached : cached + blended].tolist()
+                    known = {seq: ids} if self.manager.prefix_caching else None
+                    self.manager.step({seq: blended}, tokens=known)
+                    tokens.skip_processing(blended)
             if started:
                 self._seqs[ctx.request_id] = seq
-                self._committed[ctx.request_id] = cached
+                self._committed[ctx.request_id] = self.manager.cache_lengths[seq]
                 if self.manager.prefix_caching and tokens.processed_length < tokens.prompt_length:
                     prompt = tokens.prompt.tolist()
                     self._prefilling[ctx.request_id] = (ctx.cache_salt, prompt)
@@ -178,6 +199,16 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 is prefilling pages of this prompt that are not cached yet.
         """
         try:
+            if self.blender is not None and self.blender.batch_full(ctx):
+                raise InsufficientBlocksError(
+                    f"maxkv: request {ctx.request_id} waits for the next batch to blend "
+                    f"(MAXKV_BLEND_MAX_PER_BATCH={self.blender.settings.max_per_batch})"
+                )
+            if self.blender is not None and (other := self.blender.computing(ctx)) is not None:
+                raise InsufficientBlocksError(
+                    f"maxkv: request {ctx.request_id} waits for request {other} to compute "
+                    "a chunk they share (CacheBlend)"
+                )
             if self.manager.prefix_caching and ctx.tokens.active_length > 1:
                 prompt = ctx.tokens.all[:length].tolist()
                 self._wait_for_shared_prefill(ctx, prompt)
@@ -243,6 +274,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         inputs and whether the drafts fit: where the free pages do not hold
         them, the step's inputs are those without drafts (drafts never take
         pages another request needs)."""
+        if self.blender is not None:
+            self.blender.batch_ran()
         seqs = [self._seq(ctx) for ctx in batch]
         active = [c.tokens.active_length for c in batch]
         if any(drafts):
@@ -278,6 +311,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             self._committed[ctx.request_id] = end
             if end >= ctx.tokens.prompt_length:
                 self._prefilling.pop(ctx.request_id, None)
+            if self.blender is not None:
+                assert isinstance(self.manager, PagedKVCacheManager)
+                self.blender.after_step(ctx, self.manager, seq)
 
     def release(self, ctx: Any) -> None:
         """Frees the request's sequence (if it started one) and forgets the request."""
@@ -287,6 +323,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             seq = self._seqs.pop(ctx.request_id)
             del self._committed[ctx.request_id]
             self._prefilling.pop(ctx.request_id, None)
+            if self.blender is not None:
+                self.blender.forget(ctx)
             if seq is not None:
                 self.manager.release(seq)
                 self._event("release", ctx, seq)
@@ -354,6 +392,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         """The metrics since the last call (MAX's scheduler logs them per batch), then zero."""
         with self._lock:
             metrics, self._metrics = self._metrics, KVCacheMetrics()
+        if self.blender is not None:
+            self.blender.log_counters()
         return metrics
 
     def get_metrics_aggregated(self) -> Any:
@@ -383,6 +423,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
     def shutdown(self) -> None:
         """Finishes the KV tiers' queued writes (Redis, disk) and stops their thread."""
         self.manager.close()
+        if self.blender is not None:
+            self.blender.close()
 
     def get_device_buffer(self, replica_idx: int) -> Any:
         raise NotImplementedError("maxkv: the cache is not a MAX KV buffer")

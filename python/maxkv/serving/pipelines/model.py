@@ -59,6 +59,7 @@ from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
 from ...tiers.store import TierConfig
+from .blending import BLEND_ENV, BlendConfig, ServeBlender
 from .speculation import speculative_config
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
@@ -263,7 +264,11 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             quantized=quantized,
             head_rows="given" if self.speculative else "last",
         )
+        #: CacheBlend of prompts with chunks (``MAXKV_BLEND``), or ``None``.
+        self.blender = self._blender(config, weights, session, path)
         logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
+        if self.blender is not None:
+            logger.info("maxkv: %s", self.blender.describe())
         if self.speculative is not None:
             logger.info(
                 "maxkv: speculative decoding by prompt lookup: up to %d draft tokens per "
@@ -280,6 +285,36 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 self.streaming[1],
                 self.streaming[0],
             )
+
+    def _blender(self, config: Any, weights: Any, session: Any, path: Path) -> ServeBlender | None:
+        """The worker's :class:`ServeBlender` when ``MAXKV_BLEND`` is on.
+
+        Raises:
+            ValueError: Where blending cannot run: a cache other than the paged
+                one in float32, a model CacheBlend does not compute (sliding
+                windows, a RoPE per layer type), attention sinks.
+        """
+        settings = BlendConfig.from_env()
+        if settings is None:
+            return None
+        if not isinstance(self.maxkv_manager, PagedKVCacheManager):
+            raise ValueError(
+                f"{BLEND_ENV}=1 needs maxkv's paged cache ({CACHE_ENV}=paged, the default) "
+                "for one model whose layers all attend to every token"
+            )
+        if self.maxkv_manager.params.cache_dtype != DType.float32:
+            raise ValueError(
+                f"{BLEND_ENV}=1 blends float32 KV: leave --kv-cache-format unset "
+                f"(not {self.maxkv_manager.params.encoding})"
+            )
+        if self.streaming is not None:
+            raise ValueError(
+                f"{BLEND_ENV}=1 and attention sinks ({SLIDING_WINDOW_ENV}) exclude each other"
+            )
+        tiers = TierConfig.from_env(model_identity(path))
+        return ServeBlender(
+            settings, config, weights, session, self.devices[0], tiers, self.maxkv_manager
+        )
 
     @staticmethod
     def _session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
