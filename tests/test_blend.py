@@ -100,6 +100,7 @@ class _FakePrefill:
     """Stands in for BlendedPrefill: K/V of token t at layer l is (l, t, position)."""
 
     config = SimpleNamespace(num_hidden_layers=2)
+    graphs = SimpleNamespace(shapes={"rope.freqs_cis": (4096, 3)})  # RoPE table rows
     calls = 0
 
     def kv(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

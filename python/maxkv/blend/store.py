@@ -132,10 +132,12 @@ class ChunkKVStore:
             return None
         kv, extra = found
         start = extra.get("start")
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            return None  # a block of this layout, but not a chunk's
-        if start + kv.shape[2] > self.positions:
-            return None  # re-rotating it would read past the model's RoPE table
+        valid = isinstance(start, int) and not isinstance(start, bool) and start >= 0
+        # Re-rotating it must not read past the model's RoPE table.
+        if not valid or start + kv.shape[2] > self.positions:
+            self.tiers.host.drop(bytes.fromhex(key))  # recomputed and put again
+            return None
+        assert isinstance(start, int)
         return kv[0], kv[1], start
 
     @property

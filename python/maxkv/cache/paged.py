@@ -408,6 +408,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 return np.zeros((2, self.num_layers, 0, *shape[4:]), view.dtype)
             return np.concatenate(rows, axis=2)
 
+    def approximate_position(self, seq_id: int) -> int | None:
+        """Where ``seq_id``'s approximate KV starts (:meth:`approximate_from`), or
+        ``None`` when all of it is exact."""
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            return self._approximate.get(seq)
+
     def approximate_from(self, seq_id: int, position: int) -> None:
         """Marks ``seq_id``'s KV from ``position`` on as approximate (a CacheBlend
         prefill reused it from elsewhere): pages holding any of it are never
@@ -1079,8 +1086,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             self._tokens[child] = self._tokens[parent][:fork_pos]
             self._salts[child] = self._salts[parent]
             self._hashes[child] = self._hashes[parent][:full]
-            if parent in self._approximate:
-                self._approximate[child] = min(self._approximate[parent], fork_pos)
+            if self._approximate.get(parent, fork_pos) < fork_pos:
+                self._approximate[child] = self._approximate[parent]
         if partial:
             self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
 

@@ -30,7 +30,9 @@ model's input.  Where each piece sits in a request's life:
    its hash, with the position it was computed at (re-rotated where it is
    reused).  A chunk is so computed once, in the context of the request that
    first used it (as LMCache stores segments), and every replica sharing the
-   Redis tier finds it.
+   Redis tier finds it.  With :data:`CHUNK_CONTEXT_ENV` ``=none`` a chunk is
+   instead computed alone when first seen, at admission, so that no request's
+   text shapes the KV another request reuses.
 4. **Release**: the request's pending records are dropped.
 
 Requests without a separator, and every request when :data:`BLEND_ENV` is not
@@ -84,6 +86,13 @@ DEFAULT_MIN_TOKENS = 64
 #: per batch gives each its first token sooner than blending them all first.
 MAX_PER_BATCH_ENV = "MAXKV_BLEND_MAX_PER_BATCH"
 DEFAULT_MAX_PER_BATCH = 1
+#: What a stored chunk's KV was computed after: ``request`` (default), the prefix
+#: and earlier chunks of the first request that used it, read back from its pages
+#: at no extra cost (as LMCache stores segments); ``none``, the chunk alone at
+#: positions 0.. when first seen (an extra prefill of the chunk), so that its KV
+#: depends on its own tokens only and no request's text shapes what another gets.
+CHUNK_CONTEXT_ENV = "MAXKV_BLEND_CHUNK_CONTEXT"
+CHUNK_CONTEXTS = ("request", "none")
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -97,6 +106,7 @@ class BlendConfig:
     check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
     min_tokens: int = DEFAULT_MIN_TOKENS
     max_per_batch: int = DEFAULT_MAX_PER_BATCH
+    chunk_context: str = CHUNK_CONTEXTS[0]
 
     def __post_init__(self) -> None:
         if not self.separator:
@@ -109,6 +119,11 @@ class BlendConfig:
             raise ValueError(f"{MIN_TOKENS_ENV}={self.min_tokens}: expected a number of tokens")
         if self.max_per_batch < 1:
             raise ValueError(f"{MAX_PER_BATCH_ENV}={self.max_per_batch}: expected 1 or more")
+        if self.chunk_context not in CHUNK_CONTEXTS:
+            raise ValueError(
+                f"{CHUNK_CONTEXT_ENV}={self.chunk_context!r}: expected one of "
+                + ", ".join(CHUNK_CONTEXTS)
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BlendConfig | None:
@@ -149,6 +164,7 @@ class BlendConfig:
             check_layers=check_layers,
             min_tokens=int(minimum) if minimum else DEFAULT_MIN_TOKENS,
             max_per_batch=int(per_batch) if per_batch else DEFAULT_MAX_PER_BATCH,
+            chunk_context=env.get(CHUNK_CONTEXT_ENV, "").strip().lower() or CHUNK_CONTEXTS[0],
         )
 
 
@@ -277,26 +293,28 @@ class ServeBlender:
         self.prefill.graphs.writer(manager)
         self._counters = BlendCounters()
         self._pending: dict[Any, _Pending] = {}
-        #: Requests blended since the last batch ran (:meth:`batch_ran`).
-        self._blended_in_batch = 0
+        #: Requests blended since the last batch ran (:meth:`batch_ran`) and still held.
+        self._blended_in_batch: set[Any] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ admission
 
     def batch_full(self, ctx: Any) -> bool:
-        """Whether a request with chunks waits for the next batch: this one has
-        blended :attr:`BlendConfig.max_per_batch` already (then it is not empty,
-        so MAX requeues the request rather than failing)."""
+        """Whether a request with chunks waits for the next batch: the batch being
+        built holds :attr:`BlendConfig.max_per_batch` blended requests already.
+        (They are in it: a request MAX hands back instead is released, and
+        :meth:`forget` drops it.  So the batch is not empty, and MAX requeues the
+        request rather than failing.)"""
         if getattr(ctx, "blend_starts", None) is None:
             return False
         with self._lock:
-            return self._blended_in_batch >= self.settings.max_per_batch
+            return len(self._blended_in_batch) >= self.settings.max_per_batch
 
     def batch_ran(self) -> None:
         """A batch is about to run (its inputs are being built): the next batch
         may blend again."""
         with self._lock:
-            self._blended_in_batch = 0
+            self._blended_in_batch.clear()
 
     def computing(self, ctx: Any) -> Any | None:
         """Before a request starts: another request (its id) that is computing one of
@@ -350,14 +368,21 @@ class ServeBlender:
                 pending.chunks.append((a, b, key))
             elif b > cached:
                 found.append((a, b, kv))
-        reused = sum(b - max(a, cached) for a, b, _ in found)
         with self._lock:
             c = self._counters
             c.requests += 1
             c.chunk_lookups += len(starts) - 1
             c.chunk_hits += len(starts) - 1 - len(pending.chunks)
-            if pending.chunks:
+        if self.settings.chunk_context == "none" and pending.chunks:
+            try:
+                found += self._store_alone(tokens, pending, cached)
+            except Exception:  # prefilled as usual; nothing stored
+                logger.exception("maxkv blend: request %s: storing chunks failed", ctx.request_id)
+                return 0
+        if pending.chunks:
+            with self._lock:
                 self._pending[ctx.request_id] = pending
+        reused = sum(b - max(a, cached) for a, b, _ in found)
         if cached >= suffix or not found or reused < self.settings.min_tokens:
             return 0
         try:
@@ -366,7 +391,7 @@ class ServeBlender:
             logger.exception("maxkv blend: request %s: blending failed", ctx.request_id)
             return 0
         with self._lock:
-            self._blended_in_batch += 1
+            self._blended_in_batch.add(ctx.request_id)
             c = self._counters
             c.blended += 1
             c.reused_tokens += reused
@@ -383,6 +408,25 @@ class ServeBlender:
             self.settings.check_layers[0],
         )
         return suffix - cached
+
+    def _store_alone(
+        self, tokens: np.ndarray, pending: _Pending, cached: int
+    ) -> list[tuple[int, int, StoredKV]]:
+        """``MAXKV_BLEND_CHUNK_CONTEXT=none``: computes and stores each pending chunk
+        alone (positions 0..); returns those past ``cached``, found now."""
+        found: list[tuple[int, int, StoredKV]] = []
+        stored = 0
+        for a, b, key in pending.chunks:
+            k, v = self.prefill.kv(tokens[a:b])
+            self.store.put(key, k, v, 0, tenant=pending.salt)
+            stored += int(k.nbytes + v.nbytes)
+            if b > cached:
+                found.append((a, b, (k, v, 0)))
+        with self._lock:
+            self._counters.chunks_stored += len(pending.chunks)
+            self._counters.stored_bytes += stored
+        pending.chunks = []
+        return found
 
     def _blend(
         self,
@@ -401,8 +445,8 @@ class ServeBlender:
             segments.append((a + skip - cached, b - a - skip, kept))
         task = CacheBlendRetrieverTask(segments, len(tokens) - cached)
         executor = self.prefill.executor(self.settings.recompute_ratio, self.settings.check_layers)
-        manager.approximate_from(seq, min(max(a, cached) for a, _, _ in found))
         self.prefill.write(tokens, task, executor, manager, seq, start=cached)
+        manager.approximate_from(seq, min(max(a, cached) for a, _, _ in found))
         computed = self.prefill.tokens_per_layer
         return computed[-1] if computed else 0
 
@@ -431,9 +475,11 @@ class ServeBlender:
             self._counters.stored_bytes += stored
 
     def forget(self, ctx: Any) -> None:
-        """The request ended: its chunks still pending are not stored."""
+        """The request ended (or MAX handed it back): its chunks still pending are
+        not stored, and it no longer counts in the batch being built."""
         with self._lock:
             self._pending.pop(ctx.request_id, None)
+            self._blended_in_batch.discard(ctx.request_id)
 
     # ------------------------------------------------------------- metrics
 
@@ -473,7 +519,9 @@ class ServeBlender:
         return (
             f"CacheBlend on: separator {s.separator!r}, recompute ratio {s.recompute_ratio}, "
             f"check layers {','.join(map(str, s.check_layers))}, at least {s.min_tokens} "
-            f"found tokens, {s.max_per_batch} per batch; chunk store {self.store.tiers.security}"
+            f"found tokens, {s.max_per_batch} per batch; chunks stored as computed "
+            + ("in the first request that used them" if s.chunk_context == "request" else "alone")
+            + f"; chunk store {self.store.tiers.security}"
         )
 
     def close(self) -> None:

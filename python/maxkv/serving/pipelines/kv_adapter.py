@@ -184,6 +184,10 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 self._committed[ctx.request_id] = self.manager.cache_lengths[seq]
                 if self.manager.prefix_caching and tokens.processed_length < tokens.prompt_length:
                     prompt = tokens.prompt.tolist()
+                    if isinstance(self.manager, PagedKVCacheManager):
+                        # Pages of blended KV are never cached: nobody waits for them.
+                        exact = self.manager.approximate_position(seq)
+                        prompt = prompt if exact is None else prompt[:exact]
                     self._prefilling[ctx.request_id] = (ctx.cache_salt, prompt)
                 ctx.cached_prefix_length = cached
                 self._metrics.cache_tokens += cached

@@ -311,6 +311,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             raise ValueError(
                 f"{BLEND_ENV}=1 and attention sinks ({SLIDING_WINDOW_ENV}) exclude each other"
             )
+        if not all(_is_cpu(d) for d in self.devices):
+            raise ValueError(f"{BLEND_ENV}=1 blends in host memory: run on --devices cpu")
         tiers = TierConfig.from_env(model_identity(path))
         return ServeBlender(
             settings, config, weights, session, self.devices[0], tiers, self.maxkv_manager
