@@ -198,6 +198,49 @@ def test_rerotation_equals_rope_at_the_new_positions(rag_runner) -> None:  # typ
 
 
 @pytest.mark.model
+def test_blend_after_a_cached_prefix_equals_full_prefill_at_ratio_one(
+    rag_runner, session: InferenceSession, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A blended prefill from ``start`` > 0 (what ``max serve`` runs after a prefix-cache
+    hit) attends to the cached tokens: at ratio 1.0, with chunks retrieved from other
+    positions, its logits and cache rows equal a full prefill's.  Queries tiled
+    through the attention graph (a long prompt) give the same rows."""
+    from maxkv import PagedKVCacheManager
+    from maxkv.blend import graphs as blend_graphs
+    from maxkv.blend.store import CacheBlendRetrieverTask
+    from maxkv.models.decoder import cache_params
+
+    prefill = rag_runner.prefill
+    c = prefill.config
+    m = PagedKVCacheManager(cache_params(c), 16, 64, 4, 512, c.num_hidden_layers, [CPU()], session)
+    tokens = np.random.default_rng(5).integers(10, 40000, 300)
+    (full,) = m.claim(1)
+    expected = prefill.prefill(tokens, None, None, m, full)
+    # Two chunks after a 40-token prefix; their K/V as computed at other positions.
+    k, v = prefill.kv(np.concatenate([tokens[100:300], tokens[40:100]]))
+    segments = [(60, 200, (k[:, :200], v[:, :200], 0))]  # tokens[100:300]
+    segments.append((0, 60, (k[:, 200:], v[:, 200:], 200)))  # tokens[40:100]
+    task = CacheBlendRetrieverTask(segments, 260)
+    (split,) = m.claim(1)
+    prefill.prefill(tokens[:40], None, None, m, split)
+    got = prefill.prefill(tokens, task, prefill.executor(1.0, (1,)), m, split, start=40)
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        m.read_tokens(split, 0, 300), m.read_tokens(full, 0, 300), atol=2e-3, rtol=0
+    )
+    # Tiled queries: the same layer output.
+    rng = np.random.default_rng(6)
+    h = rng.standard_normal((50, c.hidden_size)).astype(np.float32)
+    q = rng.standard_normal((50, c.num_attention_heads, c.head_dim)).astype(np.float32)
+    kk = rng.standard_normal((80, c.num_key_value_heads, c.head_dim)).astype(np.float32)
+    positions = np.arange(30, 80, dtype=np.int64)
+    whole = prefill.graphs.attention_mlp(prefill.weights, 3, h, q, positions, kk, kk)
+    monkeypatch.setattr(blend_graphs, "SCORE_BYTES", 4 * c.num_attention_heads * 80 * 7)
+    tiled = prefill.graphs.attention_mlp(prefill.weights, 3, h, q, positions, kk, kk)
+    np.testing.assert_allclose(tiled, whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.model
 def test_blend_at_ratio_one_equals_full_prefill(rag_runner, smollm2: LoadedModel) -> None:  # type: ignore[no-untyped-def]
     from maxkv.blend.rag import build_rag_prompt
 

@@ -34,6 +34,9 @@ from ..models.config import DecoderConfig
 from ..models.decoder import graph_weight_shapes
 
 F32 = DType.float32
+#: Most bytes one ``[heads, queries, keys]`` float32 score array of
+#: :meth:`LayerGraphs.attention_mlp` takes (queries are tiled to stay within it).
+SCORE_BYTES = 64 << 20
 
 
 def rope(x: TensorValue, table: TensorValue, positions: TensorValue) -> TensorValue:
@@ -224,18 +227,30 @@ class LayerGraphs:
         k: np.ndarray,
         v: np.ndarray,
     ) -> np.ndarray:
-        """The layer's output rows for the queries (causal over keys at 0 .. N-1)."""
-        key_positions = np.arange(k.shape[0], dtype=np.int64)
-        (out,) = self._attention_mlp.execute(
-            _f32(h),
-            _f32(q),
-            _i64(q_positions),
-            _f32(k),
-            _f32(v),
-            _i64(key_positions),
-            *self._layer_inputs(weights, layer, self.MLP_WEIGHTS),
-        )
-        return _owned(out)
+        """The layer's output rows for the queries (causal over keys at 0 .. N-1).
+
+        The graph holds a few ``[heads, queries, N]`` float32 score arrays; queries
+        go through it in tiles that keep one of them within
+        :data:`SCORE_BYTES` (the rows are independent), so a long prompt's
+        memory grows with its length, not its square."""
+        n = k.shape[0]
+        key_positions, keys, values = _i64(np.arange(n, dtype=np.int64)), _f32(k), _f32(v)
+        layer_weights = self._layer_inputs(weights, layer, self.MLP_WEIGHTS)
+        rows = max(1, SCORE_BYTES // (4 * self.config.num_attention_heads * max(n, 1)))
+        tiles = []
+        for first in range(0, max(q.shape[0], 1), rows):
+            part = slice(first, first + rows)
+            (out,) = self._attention_mlp.execute(
+                _f32(h[part]),
+                _f32(q[part]),
+                _i64(q_positions[part]),
+                keys,
+                values,
+                key_positions,
+                *layer_weights,
+            )
+            tiles.append(_owned(out))
+        return tiles[0] if len(tiles) == 1 else np.concatenate(tiles)
 
     def _layer_inputs(
         self, weights: Mapping[str, Buffer], layer: int, suffixes: tuple[str, ...]
