@@ -817,8 +817,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workloads",
+        "--workload",
         default="plain,system,multiturn",
-        help=f"of {','.join(WORKLOADS)} (longdoc needs --max-length {LONGDOC_MAX_LENGTH})",
+        help=f"of {','.join(WORKLOADS)} (longdoc needs --max-length {LONGDOC_MAX_LENGTH}, "
+        f"rag {RAG_MAX_LENGTH})",
     )
     parser.add_argument("--concurrency", default="16,32", help="requests in flight, e.g. 16,32")
     parser.add_argument("--requests", type=int, default=0, help="per workload (default 3 x C)")

@@ -123,10 +123,13 @@ class ChunkKVStore:
         kv = np.stack([k, v]).astype(np.float32)
         self.tiers.put(bytes.fromhex(key), kv, {"start": int(start)}, tenant=tenant)
 
-    def get(self, key: str, *, tenant: str | None = None) -> StoredKV | None:
+    def get(
+        self, key: str, *, tenant: str | None = None, tokens: int | None = None
+    ) -> StoredKV | None:
         """A chunk's ``(k, v, start)``: K and V ``[num_layers, tokens, kv_heads,
         head_dim]`` and the position its first token had; ``None`` if no tier has
-        it (or a copy from disk or Redis failed its check for ``tenant``)."""
+        it (or a copy from disk or Redis failed its check for ``tenant``, or it
+        does not hold ``tokens`` tokens when given)."""
         found = self.tiers.get(bytes.fromhex(key), tenant=tenant)
         if found is None:
             return None
@@ -134,7 +137,8 @@ class ChunkKVStore:
         start = extra.get("start")
         valid = isinstance(start, int) and not isinstance(start, bool) and start >= 0
         # Re-rotating it must not read past the model's RoPE table.
-        if not valid or start + kv.shape[2] > self.positions:
+        wrong_length = tokens is not None and kv.shape[2] != tokens
+        if not valid or wrong_length or start + kv.shape[2] > self.positions:
             self.tiers.host.drop(bytes.fromhex(key))  # recomputed and put again
             return None
         assert isinstance(start, int)

@@ -361,9 +361,7 @@ class ServeBlender:
         pending = _Pending(salt)
         for a, b in itertools.pairwise(starts):
             key = self.store.key(tokens[a:b], salt=salt)
-            kv = self.store.get(key, tenant=salt)
-            if kv is not None and kv[0].shape[1] != b - a:
-                kv = None  # not this chunk's length: never trusted
+            kv = self.store.get(key, tenant=salt, tokens=b - a)  # checked, or None
             if kv is None:
                 pending.chunks.append((a, b, key))
             elif b > cached:
@@ -462,17 +460,20 @@ class ServeBlender:
         ready = [chunk for chunk in pending.chunks if chunk[1] <= held]
         if not ready:
             return
-        stored = 0
-        for a, b, key in ready:
-            kv = manager.read_tokens(seq, a, b).astype(np.float32, copy=False)
-            self.store.put(key, kv[0], kv[1], a, tenant=pending.salt)
-            stored += int(kv.nbytes)
+        stored, nbytes = 0, 0
+        try:
+            for a, b, key in ready:
+                kv = manager.read_tokens(seq, a, b).astype(np.float32, copy=False)
+                self.store.put(key, kv[0], kv[1], a, tenant=pending.salt)
+                stored, nbytes = stored + 1, nbytes + int(kv.nbytes)
+        except Exception:  # the chunks are computed again by a later request
+            logger.exception("maxkv blend: request %s: storing chunks failed", ctx.request_id)
         with self._lock:
             pending.chunks = [c for c in pending.chunks if c not in ready]
             if not pending.chunks:
                 self._pending.pop(ctx.request_id, None)
-            self._counters.chunks_stored += len(ready)
-            self._counters.stored_bytes += stored
+            self._counters.chunks_stored += stored
+            self._counters.stored_bytes += nbytes
 
     def forget(self, ctx: Any) -> None:
         """The request ended (or MAX handed it back): its chunks still pending are
