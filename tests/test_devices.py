@@ -23,6 +23,8 @@ from maxkv.graph.types import layer_collections
 from maxkv.models.config import default_llama
 from maxkv.models.decoder import build_decoder_graph, cache_params
 
+from .family_checkpoints import hf_family_config
+
 GPU, CPU = DeviceRef.GPU(), DeviceRef.CPU()
 
 
@@ -63,18 +65,53 @@ def test_a_gpu_llama_graph_uses_max_kernels_not_the_cpu_ones(kernels: Path) -> N
 @pytest.mark.compile
 def test_cpu_only_ops_refuse_gpu_tensors(kernels: Path) -> None:
     params = KVCacheParams(DType.float32, 2, 16)
+    int8 = KVCacheParams(DType.float32, 2, 16, cache_dtype="int8")
+    (int8_types,) = CacheSpec(int8, 2).input_symbols([GPU])
     types = [
-        *cache_types(params, 2, GPU),
         TensorType(DType.float32, ["t", 32], GPU),
         TensorType(DType.float32, [4, 1, 32, 64], GPU),
+        *cache_types(params, 2, GPU),
+        *int8_types,
     ]
     with Graph("gpu_refusals", input_types=types, custom_extensions=[kernels]) as graph:
-        *cache, x, w = (v.tensor for v in graph.inputs)
+        x, w, *caches = (v.tensor for v in graph.inputs)
+        cache, int8_cache = caches[:4], caches[4:]
         kv = FetchContinuousBatchingKVCacheCollection(params)(*cache)
         with pytest.raises(ValueError, match="linear_packed runs on CPU; x is on"):
             kvops.linear_packed(x, w, 64)
-        with pytest.raises(ValueError, match="store_kv_ragged runs on CPU"):
-            kvops.store_kv_ragged(params, x, x, kv, 0)
+        # store_kv_ragged stores on a GPU too (a QKV bias, q/k norms), but rotates
+        # on the CPU only, and keeps the model's dtype there.
+        with pytest.raises(ValueError, match="rotates on the CPU only"):
+            kvops.store_kv_ragged(params, x, x, kv, 0, freqs_cis=x)
+        int8_kv = FetchContinuousBatchingKVCacheCollection(int8)(*int8_cache)
+        with pytest.raises(ValueError, match="needs the cache in the model's dtype"):
+            kvops.store_kv_ragged(int8, x, x, int8_kv, 0)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_families_with_a_bias_or_qk_norms_build_gpu_graphs_from_max_kernels(
+    family: str, kernels: Path
+) -> None:
+    """A QKV bias or q/k norms sit between the projection and the cache: on a GPU
+    the graph projects with MAX's matmul, stores K and V with ``store_kv_ragged``
+    (GPU-capable) and rotates with MAX's RoPE, never a CPU-only op."""
+    from maxkv.models.family import registered_architectures
+
+    read = next(f.read_hf for f in registered_architectures().values() if f.name == family)
+    config = read(hf_family_config(family))
+    assert config.qkv_bias or config.qk_norm
+    params = cache_params(config, DType.bfloat16)
+    types = cache_types(params, config.num_hidden_layers, GPU)
+    spec = CacheSpec(params, config.num_hidden_layers)
+    graph = build_decoder_graph(
+        config, params, types, functools.partial(layer_collections, spec), GPU
+    )
+    text = str(graph)
+    assert "maxkv.store_kv_ragged" in text and "maxkv.fused_qk_ragged_rope" in text
+    assert "maxkv.fused_qkv_ragged_matmul" not in text
+    for cpu_only in ("linear_packed", "store_kv_rope_ragged", "swiglu", "greedy_head"):
+        assert f"maxkv.{cpu_only}" not in text, cpu_only
 
 
 @pytest.mark.compile

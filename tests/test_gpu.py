@@ -8,12 +8,19 @@
 - fork, pop_n and copy-on-write on both caches: the rows maxkv's copy kernel
   copies on the device equal their sources, and nothing else changes (the same
   body passes on the CPU).
+- Every family in bfloat16 (``tests/test_families.py``'s check, which runs the
+  families with a QKV bias or q/k norms on the CPU): logits and next tokens
+  against transformers.
+- Swap and the host tier on a GPU cache: pages go to host memory and back
+  through pinned staging memory (``PageBuffers``), token for token.
 
 ``pytest -m gpu`` on a machine with a GPU runs them; each graph compiles on
 the device first (minutes).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +39,9 @@ from maxkv.models.decoder import cache_params
 from maxkv.models.reference import greedy_reference
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
+from .family_checkpoints import FAMILIES
 from .reference import ReferenceLayerCache
+from .test_families import check_bfloat16_family
 
 pytestmark = pytest.mark.gpu
 
@@ -181,3 +190,76 @@ def check_fork_and_pop_n_copy_rows(device: Device) -> None:
 
 def test_fork_pop_n_and_copy_on_write_copy_rows_on_the_gpu(gpu: Device) -> None:
     check_fork_and_pop_n_copy_rows(gpu)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_in_bfloat16_on_the_gpu_matches_transformers(
+    family: str, gpu: Device, tmp_path: Path
+) -> None:
+    check_bfloat16_family(family, tmp_path, gpu, InferenceSession(devices=[CPU(), gpu]))
+
+
+def test_swap_and_the_host_tier_move_a_gpu_caches_pages(gpu: Device) -> None:
+    check_swap_and_host_tier(gpu)
+
+
+def check_swap_and_host_tier(device: Device) -> None:
+    """A bfloat16 cache's pages on ``device`` through swap (out, evicted, in) and
+    the host tier (offloaded, forgotten by the device, loaded back): every row
+    read back equals the bits written there.  On a GPU the pages move through
+    pinned staging memory; ``tests/test_tiers_model.py`` runs this body on the
+    CPU with the staged path forced."""
+    from maxkv.tiers import TierConfig
+    from maxkv.tiers.connector import host_view
+
+    session = InferenceSession(devices=[CPU(), device])
+    params = KVCacheParams(DType.bfloat16, 2, 16)
+    manager = PagedKVCacheManager(
+        params,
+        4,
+        8,
+        4,
+        64,
+        2,
+        [device],
+        session,
+        enable_prefix_caching=True,
+        tiers=TierConfig(model_id="gpu-test"),
+    )
+    rng = np.random.default_rng(0)
+    shape = list(manager._pages[0].shape)
+
+    def host_bits() -> np.ndarray:
+        return host_view(manager._pages[0].to(CPU())).copy()
+
+    def write(seq: int, n: int) -> np.ndarray:
+        host = host_bits()
+        bits = rng.integers(0, 2**16, (n, *shape[1:3], *shape[4:])).astype(np.uint16)
+        for t in range(n):
+            host[manager.pages(seq)[t // 4], :, :, t % 4] = bits[t]
+        source = Buffer.from_numpy(host).view(DType.bfloat16, shape).to(device)
+        manager._pages[0].inplace_copy_from(source)
+        device.synchronize()  # the copy is queued: ``host`` must outlive it
+        return bits
+
+    def rows(seq: int, n: int) -> np.ndarray:
+        host = host_bits()
+        return np.stack([host[manager.pages(seq)[t // 4], :, :, t % 4] for t in range(n)])
+
+    prompt = list(range(100, 117))  # 4 full pages + 1 token
+    seq, _ = manager.claim_prefix(prompt)
+    manager.fetch([seq], 1, active_lengths={seq: len(prompt)})
+    bits = write(seq, len(prompt))
+    manager.step({seq: len(prompt)}, tokens={seq: prompt})
+    swapped = manager.swap_out(seq)
+    filler, _ = manager.claim_prefix(list(range(300, 329)))  # 8 pages: evicts the prompt
+    manager.fetch([filler], 1, active_lengths={filler: 29})
+    manager.release(filler)
+    back = manager.swap_in(swapped)
+    np.testing.assert_array_equal(rows(back, 17), bits)
+    manager.release(back)
+    manager._pool.reset_cache()  # the device forgets the prefix; the host tier has it
+    again, cached = manager.claim_prefix(prompt)
+    assert cached == 16 and manager.tier_hit_tokens == 16
+    np.testing.assert_array_equal(rows(again, 16), bits[:16])
+    manager.close()

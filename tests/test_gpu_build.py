@@ -36,7 +36,7 @@ from std.utils import IndexList
 from mojo_ops.kv.collection import KVCollectionCtor
 from mojo_ops.kv.paged_collection import PagedKVCollectionCtor
 from mojo_ops.kv.checks import CheckRowOffsets, PagedCheckRowOffsets
-from mojo_ops.kv.cache_write import CopyTokens, PagedCopyTokens
+from mojo_ops.kv.cache_write import CopyTokens, PagedCopyTokens, StoreKVRagged, PagedStoreKVRagged
 from mojo_ops.kv.diagnostics import CacheLengths, PagedCacheLengths
 
 comptime DT = DType.{dtype}
@@ -64,6 +64,9 @@ def main() raises:
     var lengths = out[DType.uint32, 1](IndexList[1](2))
     var copied = out[DType.uint32, 1](IndexList[1](1))
     var token_range = inp[DType.uint32, 1](IndexList[1](2))
+    var layer = inp[DType.uint32, 1](IndexList[1](1))
+    var q = out[DT, 2](IndexList[2](5, {q_width}))
+    var qkv = inp[DT, 2](IndexList[2](5, {q_width} + 2 * {heads} * {head_dim}))
     var kv = KVCollectionCtor.execute[DT, "{dtype}", {heads}, {head_dim}, "gpu"](
         inp[DT, 6](IndexList[6](4, 2, 2, 64, {heads}, {head_dim})),
         inp[DType.uint32, 1](IndexList[1](2)),
@@ -72,6 +75,7 @@ def main() raises:
     )
     CheckRowOffsets.execute[target="gpu"](offsets, kv, ctx)
     CopyTokens.execute[target="gpu"](copied, kv, token_range, ctx)
+    StoreKVRagged.execute[target="gpu"](q, qkv, offsets, kv, layer, ctx)
     CacheLengths.execute[target="gpu"](lengths, kv, ctx)
     var pkv = PagedKVCollectionCtor.execute[DT, "{dtype}", {heads}, {head_dim}, {page}, "gpu"](
         inp[DT, 6](IndexList[6](8, 2, 2, {page}, {heads}, {head_dim})),
@@ -81,6 +85,7 @@ def main() raises:
     )
     PagedCheckRowOffsets.execute[target="gpu"](offsets, pkv, ctx)
     PagedCopyTokens.execute[target="gpu"](copied, pkv, token_range, ctx)
+    PagedStoreKVRagged.execute[target="gpu"](q, qkv, offsets, pkv, layer, ctx)
     PagedCacheLengths.execute[target="gpu"](lengths, pkv, ctx)
 """
 
@@ -93,7 +98,11 @@ def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("sm90")
     dtype, heads, head_dim, page = SHAPE
     source = folder / "maxkv_gpu_ops.mojo"
-    source.write_text(PROGRAM.format(dtype=dtype, heads=heads, head_dim=head_dim, page=page))
+    source.write_text(
+        PROGRAM.format(
+            dtype=dtype, heads=heads, head_dim=head_dim, page=page, q_width=3 * heads * head_dim
+        )
+    )
     result = subprocess_run_mojo(
         [
             "build",

@@ -269,3 +269,23 @@ def test_out_of_pages_is_a_value_error_before_any_change(session: InferenceSessi
     assert manager.free_pages == 0
     manager.release(0)
     assert manager.free_pages == 2
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_swap_and_the_host_tier_round_trip_pages(
+    staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tests/test_gpu.py``'s swap and host-tier check on the CPU: in place (a CPU
+    cache's path) and staged (the GPU's: pinned staging memory, MAX's copies on
+    the device's queue, one event), forced here."""
+    import functools
+
+    from maxkv.tiers import connector
+
+    from .test_gpu import check_swap_and_host_tier
+
+    if staged:
+        monkeypatch.setattr(
+            connector, "PageBuffers", functools.partial(connector.PageBuffers, staged=True)
+        )
+    check_swap_and_host_tier(CPU())

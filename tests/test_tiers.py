@@ -10,6 +10,7 @@ the code under test.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import subprocess
@@ -299,6 +300,59 @@ def test_tier_config_checks_and_environment() -> None:
 # ------------------------------------------------------- the paged manager
 
 
+@pytest.fixture(params=["in place", "staged"])
+def page_copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the manager's pages reach the tiers and swap space: NumPy views of host
+    buffers (a CPU cache), or staged (a GPU cache's path: pinned staging memory and
+    MAX's copies on the device's queue, here the CPU's)."""
+    if request.param == "staged":
+        from maxkv.tiers import connector
+
+        monkeypatch.setattr(
+            connector, "PageBuffers", functools.partial(connector.PageBuffers, staged=True)
+        )
+    return str(request.param)
+
+
+def test_page_buffers_staged_copies_equal_host_views() -> None:
+    """The staged path (runs of consecutive pages as one copy, pinned staging
+    memory, one event) reads and writes the same bytes as NumPy views, across
+    devices' buffers and for bfloat16 (uint16 bit patterns)."""
+    from max.driver import Buffer
+
+    from maxkv.tiers.connector import PageBuffers, _page_runs
+
+    assert _page_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert _page_runs([]) == []
+    rng = np.random.default_rng(0)
+    for dtype in (DType.float32, DType.bfloat16):
+        bits = [rng.integers(0, 2**16, (10, 2, 2, 4, 2, 8)).astype(np.uint16) for _ in range(2)]
+        arrays = [b.astype(np.float32) if dtype == DType.float32 else b for b in bits]
+
+        def buffers(arrays: list[np.ndarray], dtype: DType) -> list[Buffer]:
+            made = [Buffer.from_numpy(a.copy()) for a in arrays]
+            return made if dtype == DType.float32 else [b.view(dtype, list(b.shape)) for b in made]
+
+        host = PageBuffers(buffers(arrays, dtype))
+        staged = PageBuffers(buffers(arrays, dtype), staged=True)
+        assert not host.staged and staged.staged and host.page_nbytes == staged.page_nbytes
+        pages = [7, 8, 1, 3, 4, 5, 0]
+        want = np.stack([np.stack([a[p] for a in arrays]) for p in pages])
+        np.testing.assert_array_equal(staged.read_pages(pages), want)
+        np.testing.assert_array_equal(host.read_pages(pages), want)
+        blocks = want[::-1].copy()
+        for io in (host, staged):
+            io.write_pages(pages, blocks)
+            np.testing.assert_array_equal(io.read_pages(pages), blocks)
+            untouched = [p for p in range(10) if p not in pages]
+            np.testing.assert_array_equal(
+                io.read_pages(untouched),
+                np.stack([np.stack([a[p] for a in arrays]) for p in untouched]),
+            )
+        with pytest.raises(ValueError, match="2 blocks for 1 pages"):
+            staged.write_pages([1], blocks[:2])
+
+
 def manager(num_pages: int = 8, **tiers: object) -> fakes.PagedKVCacheManager:
     config = TierConfig(model_id="test-model", **tiers) if tiers is not None else None  # type: ignore[arg-type]
     return fakes.paged(
@@ -326,7 +380,7 @@ def read_tokens(m: fakes.PagedKVCacheManager, seq: int, n: int) -> np.ndarray:
     return np.stack([pages[m.pages(seq)[t // 4], :, :, t % 4] for t in range(n)])
 
 
-def test_connector_follows_max_kv_connector_protocol() -> None:
+def test_connector_follows_max_kv_connector_protocol(page_copies: str) -> None:
     from max.pipelines.kv_cache.kv_connector import KVConnector, KVLoadRefused
 
     m = manager()
@@ -348,7 +402,7 @@ def test_connector_follows_max_kv_connector_protocol() -> None:
     m.close()
 
 
-def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier() -> None:
+def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier(page_copies: str) -> None:
     m = manager(num_pages=6)
     prompt = list(range(100, 117))  # 4 full pages + 1 token
     seq, kv = fill(m, prompt, seed=1)
@@ -365,7 +419,7 @@ def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier() -> None:
     m.close()
 
 
-def test_a_bad_block_in_a_tier_is_recomputed(tmp_path: Path) -> None:
+def test_a_bad_block_in_a_tier_is_recomputed(tmp_path: Path, page_copies: str) -> None:
     m = manager(num_pages=6, disk_dir=str(tmp_path))
     prompt = list(range(100, 117))
     seq, kv = fill(m, prompt, seed=1)
@@ -394,7 +448,7 @@ def block_hashes_of(prompt: list[int]) -> list[bytes]:
     return block_hashes(prompt[:-1], 4, root_hash(None))
 
 
-def test_swap_out_and_in_keeps_every_token() -> None:
+def test_swap_out_and_in_keeps_every_token(page_copies: str) -> None:
     m = manager(num_pages=8, swap_bytes=6 * LAYOUT_BYTES)
     seq, kv = fill(m, list(range(10)), seed=3)  # 3 pages, the last partial
     free = m.free_pages
@@ -422,7 +476,7 @@ def test_swap_out_and_in_keeps_every_token() -> None:
     m.close()
 
 
-def test_swap_in_shares_pages_still_cached_on_the_device() -> None:
+def test_swap_in_shares_pages_still_cached_on_the_device(page_copies: str) -> None:
     m = manager(num_pages=8)
     seq, kv = fill(m, list(range(10)), seed=3)
     full = m.pages(seq)[:2]

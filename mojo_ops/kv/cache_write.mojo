@@ -198,17 +198,23 @@ def store_kv[
     input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
     kv: C,
     layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+    ctx: DeviceContext,
 ) raises:
     """Writes the K and V columns of a fused QKV projection into the cache; returns Q.
 
     `qkv` is `[total_tokens, (n_q_heads + 2 * num_heads) * head_dim]`: Q
     columns, then K, then V.  Token `t` of sequence `b` goes to position
-    `cache_length[b] + t` of `layer_idx`; `output` is the Q columns.
+    `cache_length[b] + t` of `layer_idx`; `output` is the Q columns.  On a GPU
+    (`_store_rows_gpu`) the cache must keep the model's dtype.
     """
-    comptime assert is_cpu[target](), "maxkv.store_kv_ragged runs on CPU"
     var layer = _check_qkv[num_heads, head_dim, target](
         "maxkv.store_kv_ragged", kv, output, qkv, input_row_offsets, layer_idx
     )
+    comptime if not is_cpu[target]():
+        _store_rows_gpu[num_heads=num_heads, head_dim=head_dim, target=target](
+            output, qkv, input_row_offsets, kv, layer, ctx
+        )
+        return
     _store_rows[num_heads=num_heads, head_dim=head_dim, rope=False, interleaved=False](
         output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -220,6 +226,74 @@ def store_kv[
         # No rotation: never read.
         qkv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
     )
+
+
+def _store_rows_gpu[
+    C: MaxkvKVCollection, dtype: DType, num_heads: Int, head_dim: Int, target: StaticString
+](
+    output: OutputTensor[dtype=dtype, rank=2, ...],
+    qkv: InputTensor[dtype=dtype, rank=2, ...],
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    kv: C,
+    layer: Int,
+    ctx: DeviceContext,
+) raises:
+    """`store_kv` on a GPU: one thread per 16-byte vector of a token's Q, K or V
+    columns (`elementwise`).  Checks done by the caller.
+
+    The offsets and the cache's lengths and tables are device memory, read
+    by each thread: its token's sequence is found by a binary search of the
+    offsets.  The cache keeps the model's dtype (the graph function refuses
+    other encodings off the CPU), so a vector is copied, not encoded.
+    """
+    comptime assert C.View.dtype == dtype, "on a GPU the cache keeps the model's dtype"
+    comptime kv_width = num_heads * head_dim
+    comptime element = size_of[dtype]()
+    comptime vector = 16 // element
+    comptime width = vector if head_dim % vector == 0 else 1
+    var tokens = qkv.dim_size(0)
+    var q_width = output.dim_size(1)
+    var row = q_width + 2 * kv_width
+    var per_token = row // width
+    var batch = kv.batch()
+
+    # Captured by value (the tensors too, whose pointers are device memory):
+    # a GPU kernel cannot reach this function's stack.
+    @always_inline
+    @__copy_capture(kv, layer, qkv, output, input_row_offsets, q_width, row, per_token, batch)
+    @parameter
+    def store[w: Int, alignment: Int = 1](idx: Coord):
+        var src = qkv.unsafe_ptr()
+        var q_out = output.unsafe_ptr()
+        var offsets = input_row_offsets.unsafe_ptr()
+        var i = Int(idx[0].value())
+        var t = i // per_token
+        var col = (i % per_token) * width
+        # Rows start at multiples of `width` elements of device allocations:
+        # one aligned vector access each.
+        var x = src.unsafe_load[width=width, alignment=width * element](t * row + col)
+        if col < q_width:
+            q_out.unsafe_store[alignment=width * element](t * q_width + col, x)
+            return
+        # The sequence of token t: the last b with offsets[b] <= t.
+        var lo = 0
+        var hi = batch - 1
+        while lo < hi:
+            var mid = (lo + hi + 1) // 2
+            if Int(offsets[unsafe_offset=mid]) <= t:
+                lo = mid
+            else:
+                hi = mid - 1
+        var position = kv.cache_length(lo) + t - Int(offsets[unsafe_offset=lo])
+        var c = col - q_width
+        var kv_idx = 0 if c < kv_width else 1
+        var dst = kv.row_ptr(kv_idx, layer, lo, position)
+        dst.unsafe_store[alignment=width * element](
+            c - kv_idx * kv_width, rebind[SIMD[C.View.dtype, width]](x)
+        )
+
+    if tokens > 0:
+        elementwise[store, simd_width=1, target=target](tokens * per_token, ctx)
 
 
 def store_kv_rope[
@@ -430,7 +504,7 @@ struct StoreKVRagged:
         ctx: DeviceContext,
     ) raises:
         store_kv[num_heads=num_heads, head_dim=head_dim, target=target](
-            output, qkv, input_row_offsets, kv, layer_idx
+            output, qkv, input_row_offsets, kv, layer_idx, ctx
         )
 
 @extensibility.register("maxkv.store_kv_rope_ragged")
@@ -504,7 +578,7 @@ struct PagedStoreKVRagged:
         ctx: DeviceContext,
     ) raises:
         store_kv[num_heads=num_heads, head_dim=head_dim, target=target](
-            output, qkv, input_row_offsets, kv, layer_idx
+            output, qkv, input_row_offsets, kv, layer_idx, ctx
         )
 
 @extensibility.register("maxkv.paged.store_kv_rope_ragged")

@@ -34,7 +34,8 @@ that would write into it (after ``pop_n``) copies it first.  When its last
 holder lets go it stays registered, and findable, until a new allocation
 evicts it (least recently freed first, after every page without content).
 
-KV tiers (``tiers=TierConfig(...)``, with prefix caching; CPU caches): every
+KV tiers (``tiers=TierConfig(...)``, with prefix caching; on a GPU cache the
+pages are copied through pinned host memory, :class:`~maxkv.tiers.connector.PageBuffers`): every
 page ``step`` registers is offloaded, under its hash, to the host tier at
 once and to the disk and Redis tiers by a background writer
 (:mod:`maxkv.tiers`, MAX's ``KVConnector`` protocol).  ``claim_prefix``
@@ -199,7 +200,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         cache_device: The device work (zero fill, increments, copies);
             default MAX's (:class:`~maxkv.cache.device.MaxCacheDevice`).
         tiers: KV tiers beyond the device (:class:`~maxkv.tiers.TierConfig`:
-            host memory, disk, Redis; needs prefix caching and a CPU cache),
+            host memory, disk, Redis; needs prefix caching),
             and the swap space budget.  ``None``: no tiers, and swap space
             of ``TierConfig().swap_bytes``.  Call :meth:`close` when done.
         sliding_window: The model's layers all attend to at most this many
@@ -215,7 +216,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         ArgumentTypeError: If an argument has the wrong type.
         ValueError: If a size is not positive, the number of devices
             differs from ``params.n_devices``, or tiers are asked for without
-            prefix caching, on a GPU cache, or for a dtype NumPy lacks.
+            prefix caching.
     """
 
     def __init__(
@@ -574,7 +575,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     @property
     def host_pages(self) -> bool:
-        """Whether the pages are in host memory (tiers and swap need it: a CPU cache)."""
+        """Whether the pages are in host memory (a CPU cache: attention sinks rotate keys
+        there; tiers and swap copy a GPU cache's pages through staging memory)."""
         return all(b.is_host for b in self._pages)
 
     def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
@@ -764,7 +766,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                     f"{budget - self.swapped_bytes} of {budget} are free"
                 )
             if held:
-                blocks = np.stack([io.read(page) for page in held])
+                blocks = io.read_pages(held)
             else:
                 blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
             swapped = SwappedSequence(
@@ -831,15 +833,21 @@ class PagedKVCacheManager(KVCacheManagerBase):
             io = PageBuffers(self._pages)
             hashes = swapped.hashes[swapped.first_page :]
             pages = [UNUSED_PAGE] * swapped.first_page
+            written: list[tuple[int, int]] = []  # (page, block index)
             for i, hit in enumerate(cached):
                 if hit is not None:
                     pages.append(hit)
                     continue
                 page = next(fresh)
-                io.write(page, swapped.blocks[i])
+                written.append((page, i))
                 if i < len(hashes):
                     self._pool.register(page, hashes[i])
                 pages.append(page)
+            if written:  # one batch of copies
+                io.write_pages(
+                    [page for page, _ in written],
+                    swapped.blocks[[i for _, i in written]],
+                )
             (seq,) = self._storage_claim(1)
             self._page_lists[seq] = pages
             self._given_back[seq] = swapped.first_page

@@ -461,14 +461,17 @@ def store_kv_ragged(
     The cache-writing half of :func:`fused_qkv_ragged_matmul`, for graphs that
     compute the projection themselves.
     Token *t* of sequence *b* goes to position ``cache_length[b] + t`` of
-    ``layer_idx``, after the same bounds checks as every op (CPU only).
+    ``layer_idx``, after the same bounds checks as every op (on a GPU, as
+    there, only the offsets' count).  For projections the fused matmul
+    cannot make: a QKV bias, per-head q/k norms (Qwen, Gemma 3), or
+    :func:`maxkv.cpu.linear.linear_packed`'s on the CPU.  On a GPU the cache
+    keeps the model's dtype and rotation is :func:`fused_qk_ragged_rope`'s.
 
-    With ``freqs_cis``, Q and K are also rotated on the way, in the same
+    With ``freqs_cis`` (CPU), Q and K are also rotated on the way, in the same
     pass: the same values as this op without it followed by
     :func:`fused_qk_ragged_rope` (MAX's kernel, which on the CPU costs more
     than the copy itself), and a position past ``freqs_cis``'s rows is an
-    error.  For graphs that compute the projection with
-    :func:`maxkv.cpu.linear.linear_packed`.
+    error.
 
     Args:
         params: The cache parameters the collection was built with.
@@ -490,7 +493,15 @@ def store_kv_ragged(
     _check_collection(params, kv_collection)
     device = kv_collection.device
     if not device.is_cpu():
-        raise ValueError("store_kv_ragged runs on CPU; use fused_qkv_ragged_matmul on GPU")
+        if params.cache_dtype != params.dtype:
+            raise ValueError(
+                f"store_kv_ragged on a GPU needs the cache in the model's dtype "
+                f"({params.dtype.name}), not {params.encoding}"
+            )
+        if freqs_cis is not None:
+            raise ValueError(
+                "store_kv_ragged rotates on the CPU only; on a GPU store, then fused_qk_ragged_rope"
+            )
     check_tensor("qkv", qkv, params.dtype, 2)
     offsets = check_row_offsets(params, kv_collection, input_row_offsets)
     width = static_dim("qkv", qkv, 1)

@@ -346,11 +346,9 @@ def build_decoder_graph(
         return weights[name]
 
     blocks = Blocks(cfg, weight, packed, quant_bits)
-    if not packed and (cfg.qkv_bias or cfg.qk_norm):
-        raise ValueError(
-            f"{cfg.family}: a QKV bias or q/k norms run on the CPU in float32 only (maxkv's "
-            "packed kernels store K and V after them)"
-        )
+    # MAX's fused QKV matmul stores K and V straight from the matmul, so a
+    # QKV bias or q/k norms (applied between) need the projection apart.
+    projected_apart = cfg.qkv_bias or cfg.qk_norm
     input_types = [
         TensorType(DType.int64, ["total_tokens"], device),
         TensorType(DType.uint32, ["input_row_offsets_len"], device),
@@ -381,9 +379,12 @@ def build_decoder_graph(
                 )
                 q = q.reshape(["total_tokens", heads, head_dim])
             else:
-                q = kvops.fused_qkv_ragged_matmul(
-                    params, x, offsets, weight(f"layers.{i}.wqkv"), kv, li
-                )
+                if projected_apart:
+                    q = kvops.store_kv_ragged(params, blocks.qkv(x, i), offsets, kv, li)
+                else:
+                    q = kvops.fused_qkv_ragged_matmul(
+                        params, x, offsets, weight(f"layers.{i}.wqkv"), kv, li
+                    )
                 q = q.reshape(["total_tokens", heads, head_dim])
                 q = kvops.fused_qk_ragged_rope(params, q, offsets, kv, freqs, li, interleaved=False)
             attn = kvops.flash_attention_ragged(

@@ -231,8 +231,6 @@ class ContinuousBatchingScheduler:
             )
         if preemption != "wait" and not isinstance(manager, PagedKVCacheManager):
             raise ValueError(f"preemption={preemption!r} needs a PagedKVCacheManager")
-        if preemption == "swap" and not manager.host_pages:  # type: ignore[attr-defined]
-            raise ValueError("preemption='swap' copies pages to host memory: a CPU cache only")
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
                 f"max_batch_size and num_steps must be >= 1, got {max_batch_size}, {num_steps}"

@@ -15,9 +15,14 @@ full attention), blocks named by their page hash in bytes.  maxkv's
    tier at once, the disk and Redis tiers by the store's writer thread;
 4. the model runs.
 
-On a CPU cache a page is host memory, so both copies are done when the call
+Pages move through :class:`PageBuffers`.  On a CPU cache a page is host
+memory, read and written in place.  On a GPU cache a call's pages are copied
+through pinned staging memory with MAX's asynchronous copies
+(``Buffer.inplace_copy_from`` on the device's queue, runs of consecutive pages
+as one copy), ordered after the model's work on that queue, and the call waits
+on one event for them.  Either way the copies are done when the call
 returns: every call hands back a :class:`CompletedTransfer` and nothing stays
-pinned.  Tiers need host-visible pages (:class:`PageBuffers` refuses others).
+pinned.
 
 Beyond MAX's signatures, ``load`` and ``offload`` take the blocks' ``tenant``
 (keyword): the ``cache_salt`` of the sequences they belong to, whose key signs
@@ -30,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from max.driver import Buffer
+from max.driver import Buffer, Usage
 from max.dtype import DType
 from max.nn.kv_cache import KVCacheGroupId
 from max.nn.kv_cache.metrics import KVCacheMetrics
@@ -58,30 +63,103 @@ def host_view(buffer: Buffer) -> np.ndarray:
     return array
 
 
-class PageBuffers:
-    """Host views of a paged cache's buffers ``[num_pages, 2, layers, page_size, heads, head_dim]``,
-    one per device: a page read or written as one ``[devices, 2, ...]`` array.
+def _page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(index, first page, count)`` of each run of consecutive pages in ``pages``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page and runs[-1][0] + runs[-1][2] == i:
+            index, first, count = runs[-1]
+            runs[-1] = (index, first, count + 1)
+        else:
+            runs.append((i, page, 1))
+    return runs
 
-    Raises:
-        ValueError: If a buffer is not in host memory (a GPU cache).
+
+def _rows(buffer: Buffer, start: int, stop: int) -> Buffer:
+    """Rows ``[start, stop)`` of ``buffer`` along its first axis (a contiguous slice)."""
+    return buffer[(slice(start, stop),) + (slice(None),) * (buffer.rank - 1)]
+
+
+class PageBuffers:
+    """A paged cache's buffers ``[num_pages, 2, layers, page_size, heads, head_dim]``,
+    one per device: pages read or written as ``[n, devices, 2, ...]`` host arrays.
+
+    Host buffers (a CPU cache) are read and written in place through NumPy
+    views.  Device buffers (a GPU cache) are staged: a call's pages go
+    through pinned host memory (``Usage.STAGING``) by MAX's asynchronous
+    copies on each device's default queue, after the work queued there
+    before (the step that wrote them), each run of consecutive pages one
+    copy, and the call waits on one event per device.
+
+    Args:
+        buffers: The cache's buffers, one per device.
+        staged: Copy through staging buffers even for host buffers (the
+            device path, on any device); default: for device buffers only.
     """
 
-    def __init__(self, buffers: Sequence[Buffer]) -> None:
-        if not all(b.is_host for b in buffers):
-            raise ValueError("KV tiers need the pages in host memory (a CPU cache)")
-        self._views = [host_view(b) for b in buffers]
+    def __init__(self, buffers: Sequence[Buffer], *, staged: bool | None = None) -> None:
+        self._buffers = list(buffers)
+        self.staged = (not all(b.is_host for b in buffers)) if staged is None else staged
+        self._views = [] if self.staged else [host_view(b) for b in self._buffers]
 
     @property
     def page_nbytes(self) -> int:
-        return sum(int(v[0].nbytes) for v in self._views)
+        return sum(int(b.num_elements // b.shape[0]) * b.element_size for b in self._buffers)
+
+    def read_pages(self, pages: Sequence[int]) -> np.ndarray:
+        """A host copy of ``pages`` of every device: ``[len(pages), devices, 2, ...]``."""
+        pages = list(pages)
+        if not self.staged:
+            return np.stack([np.stack([v[p] for v in self._views]) for p in pages])
+        per_device = []
+        for buffer in self._buffers:
+            staging = self._staging(buffer, len(pages))
+            for index, first, count in _page_runs(pages):
+                _rows(staging, index, index + count).inplace_copy_from(
+                    _rows(buffer, first, first + count)
+                )
+            buffer.device.default_queue.record_event().synchronize()
+            per_device.append(host_view(staging).copy())
+        return np.stack(per_device, axis=1)
+
+    def write_pages(self, pages: Sequence[int], blocks: np.ndarray) -> None:
+        """Writes ``blocks[i]`` (``[devices, 2, ...]``) into page ``pages[i]`` of every
+        device (done on return)."""
+        pages = list(pages)
+        if not self.staged:
+            for page, block in zip(pages, blocks, strict=True):
+                for d, view in enumerate(self._views):
+                    view[page] = block[d]
+            return
+        if len(blocks) != len(pages):
+            raise ValueError(f"{len(blocks)} blocks for {len(pages)} pages")
+        for d, buffer in enumerate(self._buffers):
+            staging = self._staging(buffer, len(pages))
+            host_view(staging)[...] = blocks[:, d]
+            for index, first, count in _page_runs(pages):
+                _rows(buffer, first, first + count).inplace_copy_from(
+                    _rows(staging, index, index + count)
+                )
+            # The staging memory is freed when this returns: wait for its copies.
+            buffer.device.default_queue.record_event().synchronize()
 
     def read(self, page: int) -> np.ndarray:
         """A copy of ``page`` of every device."""
-        return np.stack([v[page] for v in self._views])
+        block: np.ndarray = self.read_pages([page])[0]
+        return block
 
     def write(self, page: int, block: np.ndarray) -> None:
-        for d, view in enumerate(self._views):
-            view[page] = block[d]
+        self.write_pages([page], block[None])
+
+    @staticmethod
+    def _staging(buffer: Buffer, n: int) -> Buffer:
+        """Pinned host memory for ``n`` pages of ``buffer`` (its device's staging memory)."""
+        return Buffer(
+            buffer.dtype,
+            [n, *buffer.shape[1:]],
+            device=buffer.device,
+            usage=Usage.STAGING | Usage.UNTRACKED,
+        )
 
 
 class TieredConnector:
@@ -133,13 +211,22 @@ class TieredConnector:
         ids, hashes = block_ids.get(LEAF, ()), block_hashes.get(LEAF, ())
         if len(ids) != len(hashes):
             raise ValueError(f"{len(ids)} pages for {len(hashes)} block hashes")
+        pages: list[int] = []
+        blocks: list[np.ndarray] = []
+        refused: bytes | None = None
         for page, block in zip(ids, hashes, strict=True):
             entry = self.store.get(block, tenant=tenant)
             if entry is None:
-                self._add(connector_loads_refused=1)
-                raise KVLoadRefused(f"block {block.hex()} is in no tier", LEAF, block)
-            self.pages.write(page, entry[0])
-            self._add(h2d_bytes_copied=int(entry[0].nbytes))
+                refused = block
+                break
+            pages.append(page)
+            blocks.append(entry[0])
+        if pages:  # one batch of copies for the blocks found (the pages before a refusal)
+            self.pages.write_pages(pages, np.stack(blocks))
+            self._add(h2d_bytes_copied=sum(int(b.nbytes) for b in blocks))
+        if refused is not None:
+            self._add(connector_loads_refused=1)
+            raise KVLoadRefused(f"block {refused.hex()} is in no tier", LEAF, refused)
         return CompletedTransfer()
 
     def offload(
@@ -154,15 +241,17 @@ class TieredConnector:
         signed for ``tenant``)."""
         del replica_idx
         ids, hashes = block_ids.get(LEAF, ()), block_hashes.get(LEAF, ())
-        taken = []
+        taken, blocks = [], []
         for page, block in zip(ids, hashes, strict=True):
             if block in self.store.host:
                 self.store.touch([block])
                 continue
-            data = self.pages.read(page)
-            self.store.put(block, data, tenant=tenant)
-            self._add(d2h_bytes_copied=int(data.nbytes))
             taken.append(page)
+            blocks.append(block)
+        if taken:  # one batch of copies for the pages not in host memory yet
+            for block, data in zip(blocks, self.pages.read_pages(taken), strict=True):
+                self.store.put(block, data, tenant=tenant)
+                self._add(d2h_bytes_copied=int(data.nbytes))
         return CompletedTransfer({LEAF: taken})
 
     def touch(self, block_hashes: Sequence[bytes], replica_idx: int = 0) -> None:

@@ -404,8 +404,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         return self._metrics
 
     # ------------------------------------------- transfers and KV tiers
-    # maxkv's tiers copy on the calling thread (a CPU cache): no transfer is
-    # ever pending; their disk and Redis writes run on the store's own thread.
+    # maxkv's tiers copy on the calling thread (a GPU cache's pages through
+    # pinned memory, waited for): no transfer is ever pending; their disk and
+    # Redis writes run on the store's own thread.
 
     def alloc_dummy(self, ctx: Any, replica_idx: int = 0) -> None:
         raise NotImplementedError("maxkv: data-parallel padding requests are not supported")

@@ -577,9 +577,6 @@ def build_manager(
         if tiers is not None and tiers.any_tier and not prefix_caching:
             logger.info("maxkv: KV tiers are off: they need prefix caching")
             tiers = None
-        if tiers is not None and tiers.any_tier and not all(_is_cpu(d) for d in devices):
-            logger.info("maxkv: KV tiers are off: they need a CPU cache")
-            tiers = None
         return PagedKVCacheManager(
             params,
             page_size,
