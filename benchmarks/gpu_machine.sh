@@ -20,11 +20,16 @@
 #   bash benchmarks/gpu_machine.sh stash a        (carry .gpu/a)
 #   bash benchmarks/gpu_machine.sh stash b        (carry .gpu/b)
 #   bash benchmarks/gpu_machine.sh stash c && bash benchmarks/gpu_machine.sh study
+#   bash benchmarks/gpu_machine.sh families       (if device time is left)
 # `study` unpacks MAX into /tmp/site, checks that a graph runs on the GPU, runs
 # the attention and end_to_end parts from the precompiled graphs and
-# `pytest -m gpu`, each under a time limit, with results and logs under $OUT.
+# `pytest -m gpu` (but the families'), each under a time limit, with results and
+# logs under $OUT.  `families` runs end_to_end on the other families' published
+# shapes (precompiled too) and the families' gpu tests (tokens against
+# transformers; each compiles its small graph there).
 set -u
 here="$(cd "$(dirname "$0")/.." && pwd)"
+FAMILY_SHAPES=qwen2.5-0.5b,qwen3-0.6b,gemma-3-1b
 pay=/tmp/maxkv_payload
 site=/tmp/site
 
@@ -108,7 +113,8 @@ payload)
     tar -C "$work/kernels" -cf "$here/.gpu/b/kernels.tar" --exclude='.staging*' .
     # The study's graphs for an H100/H200 (sm_90a), compiled on virtual devices.
     (cd "$here/benchmarks" && python3 gpu_study.py --device virtual --target cuda:sm_90a \
-        --parts export --shapes smollm2 --export-mefs "$work/mefs" --json "$work/export.json")
+        --parts export --shapes "smollm2,$FAMILY_SHAPES" --export-mefs "$work/mefs" \
+        --json "$work/export.json")
     (cd "$work/mefs" && tar -cf - . | xz -6 -T0 >"$here/.gpu/c/mefs.tar.xz")
     rm -rf "$work"
     du -sh "$here"/.gpu/*
@@ -123,7 +129,7 @@ check)
     unpack
     python3 "$here/benchmarks/gpu_check.py" 2>&1 | tee "$OUT/check.log"
     ;;
-study)
+study | families)
     setup_env
     unpack
     python3 "$here/benchmarks/gpu_check.py" >"$OUT/check.log" 2>&1 || { cat "$OUT/check.log"; exit 1; }
@@ -135,6 +141,18 @@ study)
     mefs=()
     [ -f /tmp/mefs/manifest.json ] && [ -z "${NO_MEFS:-}" ] && mefs=(--precompiled-mefs /tmp/mefs)
     start=$SECONDS
+    if [ "$1" = families ]; then
+        timeout "${END_TO_END_S:-300}" python3 gpu_study.py --json "$results" --parts end_to_end \
+            --shapes "$FAMILY_SHAPES" --batches 1,32 "${mefs[@]}" >"$OUT/families.log" 2>&1
+        echo "end_to_end families: rc $? at $((SECONDS - start)) s"
+        cd "$here"
+        timeout "${PYTEST_S:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -k family \
+            -p no:cacheprovider >"$OUT/pytest_families.log" 2>&1
+        echo "pytest -m gpu -k family: rc $? at $((SECONDS - start)) s"
+        tail -n 3 "$OUT/pytest_families.log"
+        grep -h -e "^  {" "$OUT/families.log" | cut -c1-400
+        exit 0
+    fi
     timeout "${ATTENTION_S:-150}" python3 gpu_study.py --json "$results" --parts attention \
         "${mefs[@]}" >"$OUT/attention.log" 2>&1
     echo "attention: rc $? at $((SECONDS - start)) s"
@@ -142,15 +160,15 @@ study)
         --shapes smollm2 "${mefs[@]}" >"$OUT/end_to_end.log" 2>&1
     echo "end_to_end: rc $? at $((SECONDS - start)) s"
     cd "$here"
-    timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-        >"$OUT/pytest_gpu.log" 2>&1
+    timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu tests/test_gpu.py -k "not family" \
+        -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1
     echo "pytest -m gpu: rc $? at $((SECONDS - start)) s"
     tail -n 3 "$OUT/pytest_gpu.log"
     grep -h -e "^  {" -e "precompiled" "$OUT/attention.log" "$OUT/end_to_end.log" | cut -c1-400
     tail -n 3 "$OUT/attention.log" "$OUT/end_to_end.log"
     ;;
 *)
-    echo "usage: $0 payload | stash a|b|c | check | study" >&2
+    echo "usage: $0 payload | stash a|b|c | check | study | families" >&2
     exit 2
     ;;
 esac

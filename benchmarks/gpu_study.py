@@ -3,6 +3,8 @@
     python benchmarks/gpu_study.py --json benchmarks/results/gpu_h100.json
     python benchmarks/gpu_study.py --json R.json --parts reduce --jobs 4
     python benchmarks/gpu_study.py --json R.json --parts end_to_end --shapes llama3_8b
+    python benchmarks/gpu_study.py --json R.json --parts end_to_end \
+        --shapes qwen2.5-0.5b,qwen3-0.6b,gemma-3-1b,llama-3.2-1b
     python benchmarks/gpu_study.py --smoke --device cpu --json /tmp/smoke.json
     python benchmarks/gpu_study.py --device virtual --parts reduce,compile --json R.json
 
@@ -72,7 +74,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", help="reduce / compile: only these variant names")
     parser.add_argument("--jobs", type=int, default=4, help="reduce: compiles at once")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per compile")
-    parser.add_argument("--shapes", default="smollm2,llama3_8b", help="end_to_end shapes")
+    parser.add_argument(
+        "--shapes",
+        help="end_to_end / export shapes (default smollm2,llama3_8b; tiny with --smoke); "
+        "the families: qwen2.5-0.5b,qwen3-0.6b,gemma-3-1b,llama-3.2-1b (<name>@tiny: 2 layers)",
+    )
     parser.add_argument("--batches", default="1,8,32,128", help="end_to_end batch sizes")
     parser.add_argument("--workdir", type=Path, help="checkpoints (default: a temp folder)")
     parser.add_argument(
@@ -156,7 +162,7 @@ def main() -> int:
     only = set(args.variants.split(",")) if args.variants else None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="maxkv_gpu_study_"))
     # The end-to-end run's sizes (the export part compiles its graphs for them).
-    shapes = ["tiny"] if args.smoke else args.shapes.split(",")
+    shapes = (args.shapes or ("tiny" if args.smoke else "smollm2,llama3_8b")).split(",")
     batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
     dtype = gpu.DTYPES["float32" if args.smoke else "bfloat16"]
     prompt_len, new_tokens, num_steps = (8, 4, 4) if args.smoke else (128, 64, 4)

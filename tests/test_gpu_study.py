@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from max.dtype import DType
 
-from maxkv.models.config import default_llama
+from maxkv.models.config import default_llama, random_weights
 from maxkv.models.decoder import graph_weights
 
 pytestmark = pytest.mark.unit
@@ -37,6 +37,31 @@ def study():  # type: ignore[no-untyped-def]
 
 def test_the_study_prepares_the_models_own_graph_weights(study) -> None:  # type: ignore[no-untyped-def]
     config, weights = default_llama()
+    prepared = study.prepared_graph_weights(config, weights, DType.float32)
+    expected = graph_weights(config, weights, packed=False)
+    assert sorted(prepared) == sorted(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(np.asarray(prepared[name]), np.asarray(array), err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("shape", "family", "bias", "qk_norm"),
+    [
+        ("qwen2.5-0.5b@tiny", "qwen2", True, False),
+        ("qwen3-0.6b@tiny", "qwen3", False, True),
+        ("gemma-3-1b@tiny", "gemma3", False, True),
+    ],
+)
+def test_family_shapes_are_read_by_maxkvs_registry_and_prepared_as_the_model_does(
+    study, shape: str, family: str, bias: bool, qk_norm: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """A family shape's ``config.json`` (transformers' own) reads as that family,
+    and the graph weights the study stacks (a QKV bias too) are the model's."""
+    config, raw = study.shape_config(shape)
+    assert raw is not None and config.family == family
+    assert config.num_hidden_layers == 2 and config.hidden_size == 64
+    assert (config.qkv_bias, config.qk_norm) == (bias, qk_norm)
+    weights = random_weights(config)
     prepared = study.prepared_graph_weights(config, weights, DType.float32)
     expected = graph_weights(config, weights, packed=False)
     assert sorted(prepared) == sorted(expected)

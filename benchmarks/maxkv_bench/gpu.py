@@ -25,7 +25,12 @@ study can span calls and sessions.  ``benchmarks/gpu_study.py`` is the command.
   Hugging Face checkpoint that MAX's pipeline loads and maxkv takes as
   ``prepared`` graph weights; the tokens of both sides compared, and for
   SmolLM2's shape at batch 1 with the float64 NumPy reference on the same
-  bfloat16-rounded weights.
+  bfloat16-rounded weights.  The other families' published shapes
+  (``benchmarks/family_models.py``: ``qwen2.5-0.5b`` with its QKV bias,
+  ``qwen3-0.6b`` and ``gemma-3-1b`` with q/k norms, ``llama-3.2-1b``) run
+  the same way from transformers' own config; at batch 1 their first sequence
+  is compared with transformers' greedy tokens (float32 on the same weights).
+  ``<shape>@tiny`` shrinks one to 2 layers of hidden 64 (the smoke test's).
 
 ``--smoke`` runs every part at toy sizes (the tiny model, float32, 2 layers) on
 the CPU, which is how the test suite checks this module.
@@ -68,6 +73,7 @@ from maxkv.models.decoder import (
     vector_sources,
 )
 from maxkv.models.export import llama_config_json
+from maxkv.models.family import family_for
 from maxkv.models.reference import greedy_reference
 
 from .attention import (
@@ -117,6 +123,52 @@ SHAPES: dict[str, DecoderConfig] = {
 }
 
 DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
+
+#: What ``<shape>@tiny`` sets over a family shape: 2 layers of hidden 64.
+TINY_FIELDS: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+
+
+def family_config_json(shape: str) -> dict[str, Any]:
+    """The ``config.json`` of a family shape of ``benchmarks/family_models.py``
+    (``<name>`` or ``<name>@tiny``), as transformers writes it, with the
+    architecture maxkv and MAX's pipeline look up and the word-level
+    tokenizer's special ids (:func:`write_checkpoint`)."""
+    from family_models import SHAPES as FAMILY_SHAPES  # benchmarks/ is on sys.path
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name, _, size = shape.partition("@")
+    if name not in FAMILY_SHAPES or size not in ("", "tiny"):
+        raise SystemExit(
+            f"unknown shape {shape!r}: choose from {sorted(SHAPES)} or "
+            f"{sorted(FAMILY_SHAPES)} (each also as <name>@tiny)"
+        )
+    model_type, fields = FAMILY_SHAPES[name]
+    fields = {**fields, **(TINY_FIELDS if size else {})}
+    if size and "sliding_window" in fields:
+        fields["sliding_window"] = 256  # maxkv's CPU windows: at least the SIMD width
+    hf = AutoConfig.for_model(model_type, **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    raw: dict[str, Any] = hf.to_dict()
+    raw["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    return raw
+
+
+def shape_config(shape: str) -> tuple[DecoderConfig, dict[str, Any] | None]:
+    """A shape's decoder configuration, and its ``config.json`` where it is not
+    a plain Llama of :data:`SHAPES` (those are written by ``llama_config_json``)."""
+    if shape in SHAPES:
+        return SHAPES[shape], None
+    raw = family_config_json(shape)
+    return family_for(raw).read(raw), raw
 
 
 def dtype_name(dtype: DType) -> str:
@@ -394,11 +446,16 @@ def hf_random_weights(config: DecoderConfig, device: Device, seed: int = 0) -> d
 
 
 def write_checkpoint(
-    config: DecoderConfig, dtype: DType, directory: Path, device: Device
+    config: DecoderConfig,
+    dtype: DType,
+    directory: Path,
+    device: Device,
+    config_json: Mapping[str, Any] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """A Hugging Face directory of random ``dtype`` weights (and a word-level
     tokenizer over the vocabulary, for MAX's pipeline); also returns the weights,
-    as written (``torch`` tensors on the GPU, or NumPy)."""
+    as written (``torch`` tensors on the GPU, or NumPy).  ``config_json``: the
+    checkpoint's ``config.json`` (:func:`shape_config`); default a Llama's."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -421,7 +478,9 @@ def write_checkpoint(
         torch_dtype = torch.bfloat16 if dtype == DType.bfloat16 else torch.float32
         weights = {n: w.to(torch_dtype).contiguous() for n, w in weights.items()}
         save_torch({n: w.cpu() for n, w in weights.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(llama_config_json(config, name), indent=2))
+    raw = llama_config_json(config, name) if config_json is None else {**config_json}
+    raw["torch_dtype"] = name
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -477,6 +536,11 @@ def prepared_graph_weights(
     out: dict[str, Any] = dict(config.rope_tables())
     for name, source in vector_sources(config).items():
         out[name] = convert(weights[source])
+    if config.qkv_bias:
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            biases = [weights[p + f"{n}_proj.bias"] for n in "qkv"]
+            out[f"layers.{i}.qkv_bias"] = convert(cat(biases))
     for name, parts in matrix_sources(config, packed=False).items():
         stacked = cat([weights[p] for p in parts]) if len(parts) > 1 else weights[parts[0]]
         out[name] = convert(stacked)
@@ -504,7 +568,7 @@ def end_to_end(
     rows: list[dict[str, Any]] = []
     gpu = not device.is_host
     for shape in shapes:
-        config = SHAPES[shape]
+        config, config_json = shape_config(shape)
         rng = np.random.default_rng(1)
         prompts = [
             [int(t) for t in rng.integers(3, config.vocab_size, prompt_len)]
@@ -512,10 +576,10 @@ def end_to_end(
         ]
         max_len = prompt_len + new_tokens + num_steps
         log(f"end to end {shape}: writing the checkpoint ...")
-        directory, weights = write_checkpoint(config, dtype, workdir / shape, device)
+        directory, weights = write_checkpoint(config, dtype, workdir / shape, device, config_json)
         prepared = maxkv_weights(config, weights, dtype, device)
         reference_weights = None
-        if shape != "llama3_8b":  # small enough for the float64 reference
+        if config_json is None and shape != "llama3_8b":  # small enough for the float64 one
             reference_weights = {n: host_float32_array(w) for n, w in weights.items()}
         del weights
         log(f"end to end {shape}: compiling maxkv ...")
@@ -537,15 +601,20 @@ def end_to_end(
         _release_torch_memory()
         log(f"end to end {shape}: loading MAX's pipeline ...")
         start = time.perf_counter()
-        theirs = MaxPipeline(directory, max(batches), max_len, gpu, dtype_name(dtype))
-        max_compile_s = time.perf_counter() - start
-        max_rows = _time_side(
-            lambda p, side=theirs: side.run(p, new_tokens), prompts, batches, repeats
-        )
-        del theirs
-        for batch, (ours_s, ours_out), (theirs_s, theirs_out) in zip(
-            batches, maxkv_rows, max_rows, strict=True
-        ):
+        max_rows: list[tuple[float, list[list[int]]]] | None = None
+        max_error = None
+        try:
+            theirs = MaxPipeline(directory, max(batches), max_len, gpu, dtype_name(dtype))
+        except Exception as error:  # e.g. MAX's Qwen 3 needs a GPU: maxkv's rows stand
+            max_error = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+            log(f"end to end {shape}: MAX's pipeline did not load: {max_error}")
+        else:
+            max_compile_s = time.perf_counter() - start
+            max_rows = _time_side(
+                lambda p, side=theirs: side.run(p, new_tokens), prompts, batches, repeats
+            )
+            del theirs
+        for i, (batch, (ours_s, ours_out)) in enumerate(zip(batches, maxkv_rows, strict=True)):
             generated = batch * new_tokens
             row: dict[str, Any] = {
                 "shape": shape,
@@ -555,23 +624,49 @@ def end_to_end(
                 "prompt_tokens": prompt_len,
                 "new_tokens": new_tokens,
                 "maxkv_tokens_per_s": round(generated / ours_s, 1),
-                "max_pipeline_tokens_per_s": round(generated / theirs_s, 1),
-                "same_tokens": ours_out == theirs_out,
-                "same_token_fraction": round(_agreement(ours_out, theirs_out), 4),
                 "maxkv_load_and_compile_s": round(maxkv_compile_s, 1),
-                "max_pipeline_load_and_compile_s": round(max_compile_s, 1),
             }
-            row["speedup_vs_max_pipeline"] = round(
-                row["maxkv_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 3
-            )
-            if reference_weights is not None and batch == batches[0]:
-                reference = greedy_reference(config, reference_weights, prompts[0], new_tokens)
+            theirs_out: list[list[int]] | None = None
+            if max_rows is None:
+                row["max_pipeline_error"] = max_error
+            else:
+                theirs_s, theirs_out = max_rows[i]
+                row |= {
+                    "max_pipeline_tokens_per_s": round(generated / theirs_s, 1),
+                    "same_tokens": ours_out == theirs_out,
+                    "same_token_fraction": round(_agreement(ours_out, theirs_out), 4),
+                    "max_pipeline_load_and_compile_s": round(max_compile_s, 1),
+                }
+                row["speedup_vs_max_pipeline"] = round(
+                    row["maxkv_tokens_per_s"] / row["max_pipeline_tokens_per_s"], 3
+                )
+            if batch == batches[0] and (reference_weights is not None or config_json is not None):
+                if reference_weights is not None:
+                    reference = greedy_reference(config, reference_weights, prompts[0], new_tokens)
+                else:
+                    reference = transformers_greedy(directory, prompts[0], new_tokens)
+                    row["reference"] = "transformers float32"
                 row["maxkv_first_sequence_equals_reference"] = ours_out[0] == reference
-                row["max_pipeline_first_sequence_equals_reference"] = theirs_out[0] == reference
+                if theirs_out is not None:
+                    row["max_pipeline_first_sequence_equals_reference"] = theirs_out[0] == reference
+                row["maxkv_first_sequence_reference_agreement"] = round(
+                    _agreement([ours_out[0]], [reference]), 4
+                )
             log(f"  {row}")
             rows.append(row)
         _release_torch_memory()
     return rows
+
+
+def transformers_greedy(directory: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for ``prompt`` on the checkpoint in ``directory``
+    (float32 on the host CPU: its own modeling code, the families' reference)."""
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    model = hf_from_pretrained(directory)
+    tokens: list[int] = hf_generate(model, [prompt], new_tokens)[0]
+    del model
+    return tokens
 
 
 def _maxkv_side(
@@ -773,7 +868,7 @@ def export_graphs(
     timed("maxkv_decode_attention", session.load, MaxkvDecodeAttention.graph(shape, ref))
     timed("max_paged_decode_attention", session.load, MaxPagedDecodeAttention.graph(shape, ref))
     for name in shapes:
-        config = SHAPES[name]
+        config, config_json = shape_config(name)
         # Without a GPU torch draws the weights in host memory, as float32.
         needed = 4 * sum(math.prod(shape) for shape in config.weight_shapes().values())
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -782,7 +877,7 @@ def export_graphs(
                 f"exporting {name} draws {needed / 2**30:.0f} GiB of weights in this "
                 f"machine's {memory / 2**30:.0f} GiB: choose --shapes smollm2"
             )
-        directory, weights = write_checkpoint(config, dtype, workdir / name, device)
+        directory, weights = write_checkpoint(config, dtype, workdir / name, device, config_json)
         prepared = maxkv_weights(config, weights, dtype, device)
         del weights
         spec = CacheSpec(cache_params(config, dtype), config.num_hidden_layers)
