@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -812,11 +813,21 @@ def use_mef_store(
     """Every session of this process writes each graph it compiles to ``export``,
     or loads graphs from the artifacts in ``precompiled`` instead of compiling
     them (MAX's ``InferenceSession.default_mef_store``; MAX's pipeline consults
-    it too).  A graph without an artifact is compiled as usual (and logged)."""
-    from max.engine._precompiled_mefs import MefStore, _default_key
+    it too).  A graph without an artifact is compiled as usual (and logged).
+
+    Artifacts are named by the graph's name and a digest of its body (MAX's
+    ``_fingerprint``, which leaves out where the kernels lie), not MAX's default
+    name and signature: two shapes' pipelines build same-named graphs with the
+    same symbolic signature (``top_k_sampler`` over another vocabulary), which
+    the default cannot tell apart, and would load one for the other."""
+    from max.engine._precompiled_mefs import MefStore, _fingerprint
+
+    def body_key(graph: Graph) -> str:
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", graph.name)
+        return f"{name}-{_fingerprint(graph)[:16]}.mef"
 
     if export is not None:
-        InferenceSession.default_mef_store = MefStore.for_export(export)
+        InferenceSession.default_mef_store = MefStore.for_export(export, key=body_key)
         return
     if not precompiled:
         return
@@ -828,7 +839,7 @@ def use_mef_store(
     }
 
     def key(graph: Graph) -> str | None:
-        name = _default_key(graph)
+        name = body_key(graph)
         if name in recorded:
             return name
         log(f"  no precompiled artifact for graph {graph.name!r}: compiling it")
