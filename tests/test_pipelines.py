@@ -313,6 +313,60 @@ def test_max_generate_matches_transformers(
     assert logged[-1]["free"] == logged[-1]["total"]  # slots, or pages of 16 tokens
 
 
+def _gguf_of_directory(directory: Path, gguf: Path, reference: Path) -> None:
+    """Writes ``directory``'s weights as a llama.cpp GGUF of Q4_0 matrices, and
+    ``reference``: ``directory`` with the weights that file holds (each matrix
+    through ``gguf.quants`` and back), for transformers."""
+    import shutil
+
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.numpy import load_file, save_file
+
+    from .gguf_helpers import write_llama_gguf
+
+    hf = json.loads((directory / "config.json").read_text())
+    config = {
+        **{k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size")},
+        **{k: hf[k] for k in ("num_hidden_layers", "num_attention_heads")},
+        **{k: hf[k] for k in ("num_key_value_heads", "rms_norm_eps")},
+        "rope_theta": hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta")),
+        "head_dim": hf["hidden_size"] // hf["num_attention_heads"],
+        "max_position_embeddings": hf["max_position_embeddings"],
+    }
+    weights = load_file(directory / "model.safetensors")
+    write_llama_gguf(gguf, weights, config, matrix_type="Q4_0")
+    q4 = GGMLQuantizationType.Q4_0
+    shutil.copytree(directory, reference)
+    save_file(
+        {
+            name: quants.dequantize(quants.quantize(w, q4), q4) if w.ndim == 2 else w
+            for name, w in weights.items()
+        },
+        reference / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+
+
+@pytest.mark.serve
+def test_max_generate_reads_a_gguf_weight_path_as_transformers_does(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """``--weight-path FILE.gguf`` (MAX's way to name a GGUF file): the F32 norms
+    are read-only views of the file's mapping, and the Q4_0 matrices are read
+    packed by decode steps.  It died with a segmentation fault in its first step
+    (the norms were unmapped under the model); now transformers' text on the
+    same weights."""
+    gguf, reference = tmp_path / "tiny.gguf", tmp_path / "reference"
+    _gguf_of_directory(tiny_llama_dir, gguf, reference)
+    prompt = "hello world"  # a prefill of more than 8 rows, then 1-row steps
+    result = max_generate(tiny_llama_dir, prompt, 64, 1, "--weight-path", str(gguf))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "tiny.gguf" in result.stderr  # maxkv loaded the GGUF file, not the directory
+    generated = result.stdout.split("Prompt size:")[0].strip("\n")
+    assert generated == transformers_completion(reference, prompt, NEW_TOKENS)
+    assert generated != transformers_completion(tiny_llama_dir, prompt, NEW_TOKENS)
+
+
 @pytest.mark.serve
 def test_max_generate_kv_cache_format_quantized_plans_real_bytes(tiny_llama_dir: Path) -> None:
     """``--kv-cache-format int8`` (maxkv's own encoding) and ``float8_e4m3fn``

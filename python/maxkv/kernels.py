@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .cachedir import cache_dir
 
 _PACKAGE_NAME = "mojo_ops"
@@ -173,7 +175,31 @@ def _without_harmless(text: str) -> str:
 
 
 def load_graph(session: Any, graph: Any, **kwargs: Any) -> Any:
-    """``session.load(graph, **kwargs)`` with :func:`harmless_warnings_filtered`."""
+    """``session.load(graph, **kwargs)`` with :func:`harmless_warnings_filtered`.
+
+    A ``weights_registry`` must hold no read-only NumPy array: MAX 26.7 reads a
+    CPU weight where it lies and keeps a reference to a writable array, but not
+    to a read-only one (a view of a memory-mapped GGUF or safetensors file, or
+    of ``bytes``), whose memory is then freed, or unmapped, under the compiled
+    model as soon as the caller drops it (``max generate`` on a GGUF file died
+    with a segmentation fault in its first step this way).  Copy such arrays
+    first (:func:`maxkv.cpu.arrays.aligned` does), and keep the registry as
+    long as the model.
+
+    Raises:
+        ValueError: On a read-only array in ``weights_registry``.
+    """
+    registry = kwargs.get("weights_registry") or {}
+    read_only = sorted(
+        name
+        for name, value in registry.items()
+        if isinstance(value, np.ndarray) and not value.flags.writeable
+    )
+    if read_only:
+        raise ValueError(
+            f"weights {', '.join(read_only[:5])} are read-only arrays: MAX does not keep "
+            "them alive under the compiled model; pass writable copies"
+        )
     with harmless_warnings_filtered():
         return session.load(graph, **kwargs)
 

@@ -8,6 +8,11 @@ with AVX2); at a 16-byte offset every one of those loads spans two cache
 lines, which cost ``linear_packed`` about a third of its speed (measured:
 91 vs 128 GFLOP/s at 32 rows of a 1536 x 1536 matmul on two AVX2 cores).
 So weights are allocated on a cache-line boundary.
+
+They are also writable arrays of the process's own memory: MAX keeps a
+reference to a writable weight array but not to a read-only one, such as a
+view of a memory-mapped GGUF file, which could then be unmapped under the
+compiled model (:func:`maxkv.kernels.load_graph`).
 """
 
 from __future__ import annotations
@@ -35,13 +40,14 @@ def is_aligned(a: np.ndarray) -> bool:
 
 
 def aligned(a: np.ndarray, dtype: DTypeLike | None = None, *, copy: bool = False) -> np.ndarray:
-    """``a`` as a C-contiguous ``dtype`` array on an :data:`ALIGNMENT` boundary.
+    """``a`` as a writable C-contiguous ``dtype`` array on an :data:`ALIGNMENT` boundary.
 
     Returns ``a`` itself when it already is one (and ``copy`` is false);
-    otherwise an aligned copy.
+    otherwise an aligned copy (always for a read-only ``a``, e.g. a view of a
+    memory-mapped file).
     """
     src = np.asarray(a, dtype=dtype)
-    if is_aligned(src) and not copy:
+    if is_aligned(src) and src.flags.writeable and not copy:
         return src
     out = aligned_zeros(src.shape, src.dtype)
     out[...] = src

@@ -574,6 +574,8 @@ class DecoderModel:
             head_rows,
         )
         self._model: Model = load_graph(session, graph, weights_registry=registry)
+        # The graph reads these arrays where they lie: they live as long as the model.
+        self._weights = registry
 
     @property
     def max_positions(self) -> int:
