@@ -172,3 +172,96 @@ def dequantized(weights: Mapping[str, np.ndarray], matrix_type: str) -> dict[str
         else:
             out[name] = quants.dequantize(quants.quantize(data, qtype), qtype).reshape(data.shape)
     return out
+
+
+#: Per family: llama.cpp's ``general.architecture``, whether its converter
+#: permutes Q/K rows (``LlamaModel.permute``), and what it adds to norm weights
+#: (``Gemma3Model.modify_tensors``: ``+ 1``), from ``convert_hf_to_gguf.py``.
+LLAMA_CPP_FAMILIES = {
+    "llama": ("llama", True, 0.0),
+    "mistral": ("llama", True, 0.0),
+    "qwen2": ("qwen2", False, 0.0),
+    "qwen3": ("qwen3", False, 0.0),
+    "gemma3": ("gemma3", False, 1.0),
+}
+
+_FAMILY_LAYER = {
+    **_LAYER,
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+_GEMMA_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def write_family_gguf(
+    path: Path, family: str, hf_config: object, weights: Mapping[str, np.ndarray]
+) -> None:
+    """Writes a transformers checkpoint (``hf_config``, float32 ``weights`` under
+    Hugging Face names) of ``family`` as llama.cpp's converter would: its
+    architecture's metadata keys, tensor names, Q/K permutation (Llama and
+    Mistral) and Gemma's norm weights plus one; matrices as Q8_0."""
+    import gguf
+    from gguf import quants
+
+    arch, permuted, norm_shift = LLAMA_CPP_FAMILIES[family]
+    c = hf_config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"{family.capitalize()} tiny")
+    writer.add_block_count(c.num_hidden_layers)  # type: ignore[attr-defined]
+    writer.add_context_length(c.max_position_embeddings)  # type: ignore[attr-defined]
+    writer.add_embedding_length(c.hidden_size)  # type: ignore[attr-defined]
+    writer.add_feed_forward_length(c.intermediate_size)  # type: ignore[attr-defined]
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads  # type: ignore[attr-defined]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads  # type: ignore[attr-defined]
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = c.rope_parameters  # type: ignore[attr-defined]
+    theta = (rope.get("full_attention") or rope)["rope_theta"]
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))  # type: ignore[attr-defined]
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if getattr(c, "sliding_window", None) and arch == "gemma3":
+        writer.add_sliding_window(int(c.sliding_window))  # type: ignore[attr-defined]
+    writer.add_vocab_size(c.vocab_size)  # type: ignore[attr-defined]
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    layer_names = {**_FAMILY_LAYER, **(_GEMMA_LAYER if arch == "gemma3" else {})}
+    for hf, array in weights.items():
+        if hf == "lm_head.weight" and getattr(c, "tie_word_embeddings", False):
+            continue
+        if hf.startswith("model.layers."):
+            _, _, layer, rest = hf.split(".", 3)
+            name = f"blk.{layer}.{layer_names[rest]}"
+        else:
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[hf]
+        data = np.asarray(array, np.float32)
+        if permuted and ".attn_q." in name:
+            data = llama_cpp_permute(data, heads)
+        elif permuted and ".attn_k." in name:
+            data = llama_cpp_permute(data, kv_heads)
+        if name.endswith("norm.weight"):
+            data = data + np.float32(norm_shift)
+        if data.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quants.quantize(data, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -9,6 +9,7 @@ transformers' ``generate``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 from max.engine import InferenceSession
 
 from maxkv.models import DecoderModel, ModelFetchError, ModelLoadError, fetch, load_model
+from maxkv.models.config import DecoderConfig
 from maxkv.models.fetch import KnownModel, cached_path
 from maxkv.models.gguf_file import unpermute_rope_rows
 from maxkv.models.resolve import LoadedModel
@@ -99,9 +101,9 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    write_llama_gguf(path, hf_weights(TINY), architecture="qwen2")
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2'"):
+    path = tmp_path / "phi3.gguf"
+    write_llama_gguf(path, hf_weights(TINY), architecture="phi3")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'phi3'"):
         load_model(path)
 
 
@@ -485,3 +487,74 @@ def test_gguf_tokenizer_converts_without_torch(
     tokenizer = _from_gguf_without_torch(AutoTokenizer, smollm2_gguf)
     assert tokenizer.encode("Hello world") == [19556, 905]
     assert gguf_utils.is_torch_available() is False  # restored
+
+
+#: Per family, config fields over tests.family_checkpoints' that a GGUF file can
+#: hold (llama.cpp writes no RoPE scaling dict, windows per layer or query scale).
+GGUF_FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama3", {"rope_scaling": None, "rope_parameters": None, "attention_bias": True}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 128}),  # transformers' GGUF reading assumes 128
+    "gemma3": (
+        "gemma3",
+        {
+            "rope_parameters": None,
+            "layer_types": None,
+            "sliding_window": 128,
+            "num_hidden_layers": 7,  # Gemma 3's pattern: 5 sliding layers, then a full one
+        },
+    ),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILY_CONFIGS))
+def test_gguf_of_every_family_reads_as_transformers_reads_it(family: str, tmp_path: Path) -> None:
+    """A GGUF file written as llama.cpp's converter writes ``family``: maxkv's
+    configuration is the family's reading of transformers' GGUF configuration,
+    and every weight equals what transformers loads from the same file."""
+    requires_transformers()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from maxkv.models.gguf_file import read_gguf
+
+    from .family_checkpoints import hf_family_config
+    from .gguf_helpers import write_family_gguf
+
+    shape, overrides = GGUF_FAMILY_CONFIGS[family]
+    hf_config = hf_family_config(shape, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
+    weights = {n: t.detach().numpy() for n, t in model.state_dict().items()}
+    path = tmp_path / f"{family}.gguf"
+    write_family_gguf(path, family, hf_config, weights)
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    config, loaded = read_gguf(path)
+    assert config.family == ("llama" if family == "mistral" else family)
+    architecture = type(reference).__name__  # transformers' reading of the file
+    expected_config = DecoderConfig.from_hf(
+        {**reference.config.to_dict(), "architectures": [architecture]}
+    )
+    # End and start of sequence: the file's tokenizer ids (transformers puts them
+    # in the tokenizer's configuration, not the model's).
+    assert config == dataclasses.replace(expected_config, eos_token_ids=(2,), bos_token_id=1)
+    if family == "gemma3":
+        assert config.layer_windows == (128,) * 5 + (None, 128)
+        assert config.norm_offset == 1.0 and config.sandwich_norms
+    expected = {
+        n: t.detach().numpy()
+        for n, t in reference.state_dict().items()
+        if not (n == "lm_head.weight" and config.tie_word_embeddings)
+    }
+    assert sorted(loaded) == sorted(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(loaded[name], array, err_msg=name)
+    # The Q8_0 matrices: what transformers dequantizes, close to the written weights.
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        scale = float(np.abs(weights[name]).max())
+        np.testing.assert_allclose(loaded[name], weights[name], atol=0.02 * scale)

@@ -21,6 +21,55 @@ from .config import DecoderConfig
 from .errors import ModelLoadError
 from .rope import RopeScaling
 
+#: A Llama layer's tensors in llama.cpp's GGUF names (after ``blk.N.``) -> Hugging
+#: Face's (after ``model.layers.N.``).
+LLAMA_GGUF_TENSORS: Mapping[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+#: The Q, K, V and output projections' biases.
+GGUF_ATTENTION_BIASES: Mapping[str, str] = {
+    f"attn_{g}.bias": f"self_attn.{h}_proj.bias"
+    for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+}
+#: The per-head RMSNorms of Q and K.
+GGUF_QK_NORMS: Mapping[str, str] = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp's converter writes a family's GGUF files, as transformers'
+    GGUF loader reads them back (``modeling_gguf_pytorch_utils``: its config
+    mapping, tensor names and tensor processors).
+
+    Attributes:
+        architecture: ``general.architecture``.
+        model_type: transformers' ``model_type`` for the configuration.
+        layer_tensors: A layer's tensors, GGUF name -> Hugging Face name (each
+            after the layer prefix); the embeddings, final norm and head are
+            the same for every family.
+        permuted_qk: llama.cpp interleaved the RoPE halves of each Q and K head
+            (its Llama converter's ``permute``), undone on reading.
+        norm_shift: llama.cpp stores every ``*norm.weight`` plus this (Gemma's
+            ``1 + w`` RMSNorm as a plain one: 1), subtracted on reading.
+    """
+
+    architecture: str
+    model_type: str
+    layer_tensors: Mapping[str, str]
+    permuted_qk: bool = False
+    norm_shift: float = 0.0
+
 
 @dataclass(frozen=True)
 class Family:
@@ -32,11 +81,13 @@ class Family:
         read_hf: transformers' config of the checkpoint (its ``config.json``
             parsed by the config class of its ``model_type``) -> the decoder's
             configuration; :meth:`read` applies it to a ``config.json`` dict.
+        gguf: How its GGUF files are laid out, or ``None`` if maxkv reads none.
     """
 
     name: str
     architectures: tuple[str, ...]
     read_hf: Callable[[Any], DecoderConfig] = field(repr=False)
+    gguf: GGUFLayout | None = field(default=None, repr=False)
 
     def read(self, raw: Mapping[str, Any]) -> DecoderConfig:
         """The :class:`DecoderConfig` of a ``config.json`` dict.
@@ -71,6 +122,11 @@ def registered_architectures() -> dict[str, Family]:
     from . import families  # noqa: F401  (registers maxkv's own)
 
     return dict(_FAMILIES)
+
+
+def gguf_families() -> dict[str, Family]:
+    """transformers' ``model_type`` -> the registered family whose GGUF files use it."""
+    return {f.gguf.model_type: f for f in registered_architectures().values() if f.gguf is not None}
 
 
 def family_for(raw: Mapping[str, Any]) -> Family:

@@ -1,11 +1,16 @@
-"""Llama weights and configuration from a GGUF file (llama.cpp's format).
+"""Weights and configuration of a GGUF file (llama.cpp's format), every family maxkv serves.
 
-Read with the ``gguf`` package (installed with MAX): the metadata gives the
-configuration, every tensor is dequantized to float32 with
-``gguf.quants.dequantize``, llama.cpp's row permutation of ``attn_q`` and
-``attn_k`` is undone (its converter interleaves the two RoPE halves of each
-head; maxkv, like Hugging Face, rotates ``(x[i], x[i + head_dim / 2])``), and
-the names are mapped to Hugging Face's, which the graph uses.
+Read with the ``gguf`` package (installed with MAX) the way transformers' GGUF
+loader reads them (its mapping is the reference): the metadata becomes a
+``config.json`` dict through transformers' own ``GGUF_CONFIG_MAPPING``, read by
+the family's configuration reader like any checkpoint's; every tensor is
+dequantized to float32 with ``gguf.quants.dequantize``; what llama.cpp's
+converter changed is undone as transformers undoes it (the row permutation of
+Llama's ``attn_q`` and ``attn_k``: its converter interleaves the two RoPE
+halves of each head, maxkv like Hugging Face rotates ``(x[i], x[i + head_dim
+/ 2])``; Gemma's norm weights, stored plus one); and the names become Hugging
+Face's, which the graph uses.  Each family declares its layout
+(:class:`~maxkv.models.family.GGUFLayout`).
 """
 
 from __future__ import annotations
@@ -14,43 +19,30 @@ import functools
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..cpu.quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
 from .config import DecoderConfig, ModelLoadError, Weights, check_weights
+from .family import Family, GGUFLayout, gguf_families
 
-#: GGUF architectures this loader reads (Mistral-family files also say "llama").
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-#: GGUF tensor name -> Hugging Face name; ``{i}`` is the layer.
+#: The tensors outside the layers, GGUF name -> Hugging Face name (every family).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or ``None`` if it is not a Llama weight."""
+def hf_name(gguf_name: str, layout: GGUFLayout) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or ``None`` if ``layout`` has no such tensor."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layout.layer_tensors:
+        return f"model.layers.{match.group(1)}.{layout.layer_tensors[match.group(2)]}"
     return None
 
 
@@ -112,30 +104,68 @@ def _field(fields: Mapping[str, Any], key: str, default: object = None) -> Any:
     return field.contents()
 
 
-def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> DecoderConfig:
-    """A :class:`DecoderConfig` from GGUF metadata (``general.architecture`` ``llama``).
+def gguf_family(fields: Mapping[str, Any]) -> Family:
+    """The family of a GGUF file, by ``general.architecture`` (llama.cpp writes
+    Mistral checkpoints as ``llama`` files, read as Llamas, as transformers does).
 
     Raises:
-        ModelLoadError: On another architecture, missing keys, or features
-            this decoder does not implement (RoPE scaling, partial rotary).
+        ModelLoadError: On an architecture no registered family reads.
     """
     arch = _field(fields, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    model_type = {"gemma3": "gemma3_text"}.get(arch, arch)
+    families = gguf_families()
+    if model_type not in families:
+        readable = sorted({f.gguf.architecture for f in families.values() if f.gguf})
         raise ModelLoadError(
             f"unsupported architecture {arch!r}: maxkv reads GGUF files of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} models"
+            f"{', '.join(readable)} models"
         )
+    return families[model_type]
 
-    def need(key: str) -> Any:
+
+def hf_config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """A ``config.json`` dict of a GGUF file's metadata, keyed as transformers' GGUF
+    loader keys it (its ``GGUF_CONFIG_MAPPING``), with the family's ``architectures``.
+
+    Raises:
+        ModelLoadError: On an unsupported architecture, missing shapes, or what
+            the decoder does not implement (RoPE scaling, partial rotary).
+    """
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    family = gguf_family(fields)
+    assert family.gguf is not None
+    arch = family.gguf.architecture
+    mapping = cast(
+        "Mapping[str, str | None]",
+        GGUF_CONFIG_MAPPING[family.gguf.model_type.removesuffix("_text")],
+    )
+    raw: dict[str, Any] = {
+        "model_type": family.gguf.model_type,
+        "architectures": [family.architectures[0]],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    for key, name in mapping.items():
         value = _field(fields, f"{arch}.{key}")
-        if value is None:
+        if name is not None and value is not None:
+            raw[name] = value
+    for key in ("bos_token_id", "eos_token_id"):  # the tokenizer's, as llama.cpp reads them
+        value = _field(fields, f"tokenizer.ggml.{key}")
+        if value is not None:
+            raw[key] = int(value)
+    for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
+        if _field(fields, f"{arch}.{key}") is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    kv_heads = int(_field(fields, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(fields, f"{arch}.attention.key_length", hidden // heads))
+    if "vocab_size" not in raw:
+        tokens = _field(fields, "tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and a token list")
+        raw["vocab_size"] = len(tokens)
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(_field(fields, f"{arch}.attention.key_length", raw["hidden_size"] // heads))
+    # llama.cpp's head size (transformers' mapping reads it for Gemma only, and
+    # takes its config class's default elsewhere: Qwen 3's 128).
+    raw["head_dim"] = head_dim
     rope_dims = _field(fields, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise ModelLoadError(
@@ -144,29 +174,17 @@ def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> D
     scaling = _field(fields, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
         raise ModelLoadError(f"RoPE scaling ({scaling or 'rope_freqs'}) is not supported")
-    tokens = _field(fields, "tokenizer.ggml.tokens")
-    vocab = _field(fields, f"{arch}.vocab_size")
-    if vocab is None:
-        if tokens is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and a token list")
-        vocab = len(tokens)
-    eos = _field(fields, "tokenizer.ggml.eos_token_id")
-    bos = _field(fields, "tokenizer.ggml.bos_token_id")
-    return DecoderConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_field(fields, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(fields, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(fields, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        eos_token_ids=() if eos is None else (int(eos),),
-        bos_token_id=None if bos is None else int(bos),
-    )
+    return raw
+
+
+def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a GGUF file's metadata (see :func:`hf_config_from_metadata`).
+
+    Raises:
+        ModelLoadError: On another architecture, missing keys, or features
+            this decoder does not implement (named).
+    """
+    return DecoderConfig.from_hf(hf_config_from_metadata(fields, tensor_names))
 
 
 def open_gguf(path: Path) -> Any:
@@ -181,10 +199,39 @@ def open_gguf(path: Path) -> Any:
         raise ModelLoadError(f"cannot read GGUF file {path}: {error}") from None
 
 
+class _File:
+    """An open GGUF file: its reader, family layout and configuration."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = open_gguf(path)
+        self.names = {tensor.name for tensor in self.reader.tensors}
+        family = gguf_family(self.reader.fields)
+        assert family.gguf is not None
+        self.layout: GGUFLayout = family.gguf
+        self.config = config_from_metadata(self.reader.fields, self.names)
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        return hf_name(gguf_name, self.layout)
+
+    def restore(self, gguf_name: str, hf: str, array: np.ndarray) -> np.ndarray:
+        """``array`` (float32, Hugging Face shape) with llama.cpp's changes undone."""
+        if self.layout.permuted_qk:
+            if hf.startswith("model.layers.") and ".q_proj." in hf:
+                return unpermute_rope_rows(array, self.config.num_attention_heads)
+            if hf.startswith("model.layers.") and ".k_proj." in hf:
+                return unpermute_rope_rows(array, self.config.num_key_value_heads)
+        if self.layout.norm_shift and gguf_name.endswith("norm.weight"):
+            shifted: np.ndarray = array - np.float32(self.layout.norm_shift)
+            return shifted
+        return array
+
+
 def read_gguf(
     path: str | Path, progress: Callable[[int, int], None] | None = None
 ) -> tuple[DecoderConfig, Weights]:
-    """Loads a Llama GGUF file: configuration and float32 weights (Hugging Face names).
+    """Loads a GGUF file of any family with a GGUF layout: configuration and float32
+    weights (Hugging Face names).
 
     Args:
         path: The ``.gguf`` file.
@@ -197,26 +244,25 @@ def read_gguf(
     """
     from gguf import quants
 
-    path = Path(path)
-    reader = open_gguf(path)
-    names = {tensor.name for tensor in reader.tensors}
-    config = config_from_metadata(reader.fields, names)
-    unknown = sorted(n for n in names if hf_name(n) is None)
+    file = _File(Path(path))
+    reader, config = file.reader, file.config
+    unknown = sorted(n for n in file.names if file.hf_name(n) is None)
     if unknown:
         raise ModelLoadError(
-            f"{path.name} holds tensors a Llama does not have: {', '.join(unknown[:5])}"
+            f"{file.path.name} holds tensors a {config.family} model does not have: "
+            f"{', '.join(unknown[:5])}"
         )
     bad_types = sorted(
         {t.tensor_type.name for t in reader.tensors if not dequantizable(t.tensor_type.name)}
     )
     if bad_types:
         raise ModelLoadError(
-            f"{path.name} uses tensor type {', '.join(bad_types)}, which maxkv cannot "
+            f"{file.path.name} uses tensor type {', '.join(bad_types)}, which maxkv cannot "
             f"dequantize (supported: {', '.join(supported_tensor_types())})"
         )
     weights: Weights = {}
     for done, tensor in enumerate(reader.tensors, 1):
-        name = hf_name(tensor.name)
+        name = file.hf_name(tensor.name)
         assert name is not None
         try:
             array = quants.dequantize(tensor.data, tensor.tensor_type)
@@ -226,18 +272,14 @@ def read_gguf(
             ) from None
         expected = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 first
         array = np.asarray(array, dtype=np.float32).reshape(expected)
-        if name.endswith("q_proj.weight"):
-            array = unpermute_rope_rows(array, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            array = unpermute_rope_rows(array, config.num_key_value_heads)
-        weights[name] = array
+        weights[name] = file.restore(tensor.name, name, array)
         if progress is not None:
             progress(done, len(reader.tensors))
     return config, check_weights(config, weights)
 
 
 def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
-    """The block-quantized matrices of a Llama GGUF file, as stored (Hugging Face names).
+    """The block-quantized matrices of a GGUF file, as stored (Hugging Face names).
 
     Every 2-D tensor of type Q4_0, Q4_1 or Q8_0 (:data:`maxkv.cpu.quantized.GGUF_TYPES`)
     as a :class:`~maxkv.cpu.quantized.BlockQuantized` ``[N, K]``, Q and K rows
@@ -248,13 +290,11 @@ def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
     Raises:
         ModelLoadError: On a file :func:`read_gguf` would refuse.
     """
-    path = Path(path)
-    reader = open_gguf(path)
-    names = {tensor.name for tensor in reader.tensors}
-    config = config_from_metadata(reader.fields, names)
+    file = _File(Path(path))
+    config = file.config
     out: dict[str, BlockQuantized] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+    for tensor in file.reader.tensors:
+        name = file.hf_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if name is None or len(shape) != 2 or tensor.tensor_type.name not in GGUF_TYPES:
             continue
@@ -263,9 +303,9 @@ def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
         except ValueError as error:
             raise ModelLoadError(f"cannot read {tensor.name}: {error}") from None
         heads = None
-        if name.endswith("q_proj.weight"):
+        if file.layout.permuted_qk and name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
-        elif name.endswith("k_proj.weight"):
+        elif file.layout.permuted_qk and name.endswith("k_proj.weight"):
             heads = config.num_key_value_heads
         if heads is not None:
             order = unpermute_rope_rows(np.arange(shape[0])[:, None], heads)[:, 0]

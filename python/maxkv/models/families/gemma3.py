@@ -7,7 +7,17 @@ import math
 from typing import Any
 
 from ..config import DecoderConfig
-from ..family import Family, decoder_config, layer_windows, read_rope, refuse
+from ..family import (
+    GGUF_ATTENTION_BIASES,
+    GGUF_QK_NORMS,
+    LLAMA_GGUF_TENSORS,
+    Family,
+    GGUFLayout,
+    decoder_config,
+    layer_windows,
+    read_rope,
+    refuse,
+)
 
 
 def read(hf: Any) -> DecoderConfig:
@@ -37,4 +47,21 @@ def read(hf: Any) -> DecoderConfig:
     )
 
 
-FAMILY = Family("gemma3", ("Gemma3ForCausalLM",), read)
+FAMILY = Family(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    read,
+    GGUFLayout(
+        "gemma3",
+        "gemma3_text",
+        {
+            **LLAMA_GGUF_TENSORS,
+            **GGUF_ATTENTION_BIASES,
+            **GGUF_QK_NORMS,
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        },
+        norm_shift=1.0,
+    ),
+)

@@ -8,7 +8,14 @@ on the Q, K, V and output projections.
 from typing import Any
 
 from ..config import DecoderConfig
-from ..family import Family, decoder_config, layer_windows
+from ..family import (
+    GGUF_ATTENTION_BIASES,
+    LLAMA_GGUF_TENSORS,
+    Family,
+    GGUFLayout,
+    decoder_config,
+    layer_windows,
+)
 
 
 def read(hf: Any) -> DecoderConfig:
@@ -18,4 +25,9 @@ def read(hf: Any) -> DecoderConfig:
     )
 
 
-FAMILY = Family("llama", ("LlamaForCausalLM",), read)
+FAMILY = Family(
+    "llama",
+    ("LlamaForCausalLM",),
+    read,
+    GGUFLayout("llama", "llama", {**LLAMA_GGUF_TENSORS, **GGUF_ATTENTION_BIASES}, permuted_qk=True),
+)

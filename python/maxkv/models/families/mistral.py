@@ -10,4 +10,6 @@ def read(hf: Any) -> DecoderConfig:
     return decoder_config(hf, "mistral", layer_windows=layer_windows(hf, "mistral"))
 
 
+# No GGUF layout: llama.cpp writes Mistral checkpoints as "llama" files (without
+# their sliding window), which llama.cpp and transformers then read as Llamas.
 FAMILY = Family("mistral", ("MistralForCausalLM",), read)

@@ -5,11 +5,23 @@ output's), often tied embeddings, and sliding windows on the layers from
 from typing import Any
 
 from ..config import DecoderConfig
-from ..family import Family, decoder_config, layer_windows
+from ..family import (
+    GGUF_ATTENTION_BIASES,
+    LLAMA_GGUF_TENSORS,
+    Family,
+    GGUFLayout,
+    decoder_config,
+    layer_windows,
+)
 
 
 def read(hf: Any) -> DecoderConfig:
     return decoder_config(hf, "qwen2", qkv_bias=True, layer_windows=layer_windows(hf, "qwen2"))
 
 
-FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), read)
+FAMILY = Family(
+    "qwen2",
+    ("Qwen2ForCausalLM",),
+    read,
+    GGUFLayout("qwen2", "qwen2", {**LLAMA_GGUF_TENSORS, **GGUF_ATTENTION_BIASES}),
+)

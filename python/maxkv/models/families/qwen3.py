@@ -4,7 +4,15 @@ RoPE; ``attention_bias`` biases every attention projection."""
 from typing import Any
 
 from ..config import DecoderConfig
-from ..family import Family, decoder_config, layer_windows
+from ..family import (
+    GGUF_ATTENTION_BIASES,
+    GGUF_QK_NORMS,
+    LLAMA_GGUF_TENSORS,
+    Family,
+    GGUFLayout,
+    decoder_config,
+    layer_windows,
+)
 
 
 def read(hf: Any) -> DecoderConfig:
@@ -19,4 +27,9 @@ def read(hf: Any) -> DecoderConfig:
     )
 
 
-FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), read)
+FAMILY = Family(
+    "qwen3",
+    ("Qwen3ForCausalLM",),
+    read,
+    GGUFLayout("qwen3", "qwen3", {**LLAMA_GGUF_TENSORS, **GGUF_ATTENTION_BIASES, **GGUF_QK_NORMS}),
+)
