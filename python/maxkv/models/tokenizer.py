@@ -2,7 +2,8 @@
 
 A Hugging Face directory's tokenizer files are loaded as they are; a GGUF
 file's tokenizer (``tokenizer.ggml.*`` metadata and its chat template) is
-converted by transformers' GGUF converter, and the result is kept in the
+converted by transformers' GGUF converter, or for a SentencePiece vocabulary
+tokenized as llama.cpp does (:mod:`maxkv.models.spm`), and the result is kept in the
 cache (keyed by the file's path, size and modification time), so later
 loads skip the conversion (about 6 s for a 49k vocabulary on two cores).
 
@@ -25,6 +26,7 @@ from typing import Any
 from ..cachedir import cache_dir
 from .config import DecoderConfig, ModelLoadError
 from .loading import model_file
+from .spm import SETTINGS, SentencePieceTokenizer, write_gguf_sentencepiece
 
 _lock = threading.Lock()
 
@@ -104,22 +106,36 @@ def load_tokenizer(path: str | Path, config: DecoderConfig) -> ChatTokenizer:
 
 
 def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
+    """A GGUF file's tokenizer: a SentencePiece vocabulary (``tokenizer.ggml.model``
+    ``llama``) as llama.cpp tokenizes it (:mod:`maxkv.models.spm`), any other as
+    transformers converts it; cached either way."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     cached = cache_dir() / "tokenizers" / key.hexdigest()[:24]
+    if (cached / SETTINGS).is_file():
+        return SentencePieceTokenizer(cached)
     if (cached / "tokenizer_config.json").is_file():
         return auto.from_pretrained(str(cached))
-    tokenizer = _from_gguf_without_torch(auto, gguf)
+    from .gguf_file import open_gguf
+
+    fields = open_gguf(gguf).fields
+    model = fields.get("tokenizer.ggml.model")
+    sentencepiece = model is not None and model.contents() == "llama"
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cached.parent))
     try:
-        tokenizer.save_pretrained(str(staging))
+        if sentencepiece:
+            write_gguf_sentencepiece(fields, staging)
+            tokenizer = SentencePieceTokenizer(staging)
+        else:
+            tokenizer = _from_gguf_without_torch(auto, gguf)
+            tokenizer.save_pretrained(str(staging))
         os.replace(staging, cached)
     except OSError:  # another process published it first
         pass
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
+    return SentencePieceTokenizer(cached) if sentencepiece else tokenizer
 
 
 def _from_gguf_without_torch(auto: Any, gguf: Path) -> Any:
