@@ -423,9 +423,9 @@ def assert_one_error_line(result: subprocess.CompletedProcess[str], message: str
 def test_demo_bad_models_and_prompts(tmp_path: Path, smollm2_gguf: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(64))
-    qwen = tmp_path / "qwen" / "model.gguf"
-    qwen.parent.mkdir()
-    write_llama_gguf(qwen, hf_weights(TINY), architecture="qwen2")
+    phi3 = tmp_path / "phi3" / "model.gguf"
+    phi3.parent.mkdir()
+    write_llama_gguf(phi3, hf_weights(TINY), architecture="phi3")
     q8_1 = tmp_path / "q8_1.gguf"
     write_llama_gguf(q8_1, hf_weights(TINY), overrides={"output.weight": "Q8_1"})
     long_prompt = tmp_path / "long.json"
@@ -433,7 +433,7 @@ def test_demo_bad_models_and_prompts(tmp_path: Path, smollm2_gguf: Path) -> None
     cases = [
         (("--model", str(tmp_path / "missing.gguf")), "does not exist"),
         (("--model", str(corrupt)), "cannot read GGUF file"),
-        (("--model", str(qwen.parent)), "unsupported architecture 'qwen2'"),
+        (("--model", str(phi3.parent)), "unsupported architecture 'phi3'"),
         (("--model", str(q8_1)), "tensor type Q8_1"),
         (("--model", "no-such-model"), "does not exist"),
         (("--model", str(smollm2_gguf), "--prompts-json", str(long_prompt)), "context of 8192"),
