@@ -157,10 +157,10 @@ def hf_config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -
         if _field(fields, f"{arch}.{key}") is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
     if "vocab_size" not in raw:
-        tokens = _field(fields, "tokenizer.ggml.tokens")
+        tokens = fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and a token list")
-        raw["vocab_size"] = len(tokens)
+        raw["vocab_size"] = len(tokens.data)  # one entry per token, none decoded
     heads = int(raw["num_attention_heads"])
     head_dim = int(_field(fields, f"{arch}.attention.key_length", raw["hidden_size"] // heads))
     # llama.cpp's head size (transformers' mapping reads it for Gemma only, and
