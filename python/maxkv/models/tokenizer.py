@@ -124,9 +124,9 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cached.parent))
     try:
+        tokenizer = None
         if sentencepiece:
             write_gguf_sentencepiece(fields, staging)
-            tokenizer = SentencePieceTokenizer(staging)
         else:
             tokenizer = _from_gguf_without_torch(auto, gguf)
             tokenizer.save_pretrained(str(staging))
