@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-SIDES = ("maxkv", "max", "vllm", "maxkv-blend")
+SIDES = ("maxkv", "max", "vllm", "maxkv-blend", "llamacpp")
 WORKLOADS = ("plain", "system", "multiturn", "longdoc", "rag")
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -240,14 +240,19 @@ def max_cli() -> str:
 def server(
     side: str, model_dir: Path, concurrency: int, args: argparse.Namespace, log_path: Path
 ) -> Iterator[str]:
-    """``max serve`` for ``side`` (or ``vllm serve`` for ``vllm``) on a free loopback
-    port; stopped in a ``finally``."""
+    """``max serve`` for ``side`` (or ``vllm serve`` for ``vllm``, llama.cpp's
+    ``llama-server`` for ``llamacpp``) on a free loopback port; stopped in a
+    ``finally``.  With ``--gguf``, the maxkv sides read that file's weights
+    (``--weight-path``) and llama.cpp serves it."""
     port = free_port()
+    gguf = getattr(args, "gguf", None)
+    weight_path = ["--weight-path", str(gguf)] if gguf else []
     command = [
         max_cli(),
         "serve",
         "--model-path",
         str(model_dir),
+        *weight_path,
         "--devices",
         "cpu",
         "--quantization-encoding",
@@ -284,6 +289,28 @@ def server(
         ]
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1")
         env.update(getattr(args, "vllm_env", {}))
+    if side == "llamacpp":  # ../shared/notes/peer-servers-on-cpu.md
+        if not gguf:
+            raise SystemExit("error: the llamacpp side serves a GGUF file: give --gguf")
+        command = [
+            args.llama_server,
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(concurrency * args.max_length),  # -np slots of --max-length each
+            "-np",
+            str(concurrency),
+            "--cont-batching",
+            "-t",
+            str(os.cpu_count() or 1),
+            "--alias",
+            str(model_dir),
+            *(["--jinja"] if getattr(args, "api", "chat") == "chat" else []),
+        ]
     if side.startswith("maxkv"):
         from maxkv.pipelines import CUSTOM_ARCHITECTURES
 
@@ -323,20 +350,35 @@ def server(
 # ------------------------------------------------------------------ client
 
 
-async def stream_chat(client: Any, url: str, model: str, request: Request) -> None:
-    """One streamed chat completion; fills in ``request``'s text, tokens and timings."""
-    body = {
+def plain_prompt(messages: list[dict[str, str]]) -> str:
+    """The text a base model (no chat template) reads for ``messages`` (``--api
+    completions``): the turns one after the other, then the answer's cue."""
+    parts = [m["content"] if m["role"] == "system" else f"{m['role'].title()}: {m['content']}"
+             for m in messages]  # fmt: skip
+    return "\n\n".join([*parts, "Assistant:"])
+
+
+async def stream_chat(
+    client: Any, url: str, model: str, request: Request, api: str = "chat"
+) -> None:
+    """One streamed chat completion (or, with ``api="completions"``, a completion of
+    :func:`plain_prompt`); fills in ``request``'s text, tokens and timings."""
+    body: dict[str, Any] = {
         "model": model,
-        "messages": request.messages,
         "max_tokens": request.max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if api == "chat":
+        body["messages"] = request.messages
+    else:
+        body["prompt"] = plain_prompt(request.messages)
+    route = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     request.sent = time.perf_counter()
     pieces: list[str] = []
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", f"{url}{route}", json=body) as response:
             if response.status_code != 200:
                 request.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return
@@ -350,7 +392,7 @@ async def stream_chat(client: Any, url: str, model: str, request: Request) -> No
                 if chunk.get("usage"):
                     request.output_tokens = int(chunk["usage"]["completion_tokens"])
                 for choice in chunk.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
+                    content = (choice.get("delta") or {}).get("content") or choice.get("text")
                     if content:
                         request.chunk_times.append(time.perf_counter())
                         pieces.append(content)
@@ -526,7 +568,7 @@ async def run_workload(
                         *history,
                         {"role": "user", "content": question},
                     ]
-                await stream_chat(client, url, model, request)
+                await stream_chat(client, url, model, request, args.api)
                 done.append(request)
 
         start = time.perf_counter()
@@ -811,7 +853,24 @@ def model_directory(name: str) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="maxkv model name or HF dir")
-    parser.add_argument("--sides", default="maxkv,max", help="of maxkv,max,vllm")
+    parser.add_argument("--sides", default="maxkv,max", help=f"of {','.join(SIDES)}")
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        help="a GGUF file: llamacpp serves it, maxkv reads its weights (--weight-path); "
+        "--model names the matching Hugging Face directory (or maxkv model)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        default=shutil.which("llama-server") or "/tmp/llama-build/bin/llama-server",
+        help="llama.cpp's server binary (built as ../shared/notes/peer-servers-on-cpu.md says)",
+    )
+    parser.add_argument(
+        "--api",
+        choices=("chat", "completions"),
+        default="chat",
+        help="completions: a base model without a chat template reads the turns as plain text",
+    )
     parser.add_argument(
         "--vllm", default="/tmp/vllm-venv/bin/vllm", help="vLLM's CLI (its CPU backend)"
     )
@@ -878,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm = [Request(f"warm/{i}", [{"role": "user", "content": q}], 8)
                         for i, q in enumerate(["Hello!", "Say one word."])]  # fmt: skip
                 for request in warm:
-                    asyncio.run(_single(url, str(model_dir), request))
+                    asyncio.run(_single(url, str(model_dir), request, args.api))
                 for workload in args.workloads:
                     offset = log_path.stat().st_size
                     requests, elapsed = asyncio.run(
@@ -916,6 +975,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_workload": args.requests or "3 x concurrency",
             "rate": args.rate or None,
             "max_length": args.max_length,
+            "gguf": str(args.gguf) if args.gguf else None,
+            "api": args.api,
             "server_args": args.server_args,
             "maxkv_env": args.maxkv_env,
         },
@@ -932,11 +993,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _single(url: str, model: str, request: Request) -> None:
+async def _single(url: str, model: str, request: Request, api: str = "chat") -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
-        await stream_chat(client, url, model, request)
+        await stream_chat(client, url, model, request, api)
     if request.error:
         raise RuntimeError(f"warm-up request failed: {request.error}")
 

@@ -7,6 +7,7 @@ row permutation of ``attn_q``/``attn_k`` follow llama.cpp's
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -136,13 +137,50 @@ def write_llama_gguf(
             writer.add_tensor(name, data)
         elif qtype == qtype.F16:
             writer.add_tensor(name, data.astype(np.float16))
-        else:
-            packed = quants.quantize(data, qtype) if kind != "Q8_1" else _raw_blocks(data, qtype)
+        elif kind in _F16_FIELDS:
+            try:
+                packed = quants.quantize(data, qtype)
+            except NotImplementedError:  # the K-quants: random blocks (not the weights)
+                rows = int(np.prod(data.shape[:-1]))
+                seed = zlib.crc32(name.encode())
+                blocks = random_blocks(kind, rows, data.shape[-1], np.random.default_rng(seed))
+                packed = blocks.reshape(*data.shape[:-1], -1)
             writer.add_tensor(name, packed, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, _raw_blocks(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+#: Byte offsets of each block's float16 fields (``d``, ``m`` / ``dmin``), from
+#: ggml-common.h's block structs.
+_F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random uint8 ``[rows, bytes per row]`` blocks of a GGML type: every integer and
+    sub-block scale random, the float16 fields finite (0.001 to 0.05, either sign), so
+    that any block a quantizer could write (and more) is covered."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in _F16_FIELDS[type_name]:
+        value = rng.uniform(0.001, 0.05, (rows, cols // block)) * rng.choice([-1, 1], (rows, 1))
+        raw[..., at : at + 2] = value.astype("<f2").view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
 
 
 def _raw_blocks(data: np.ndarray, qtype: object) -> np.ndarray:

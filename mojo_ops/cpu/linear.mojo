@@ -19,8 +19,9 @@ the weights two column blocks ahead (see `_column_block`).  CPU and float32 only
 use MAX's matmul (see `maxkv.ops.linear`).
 
 `maxkv.linear_packed_q` also takes a block-quantized copy of the same
-weights (GGUF's Q4_0 / Q4_1 / Q8_0 blocks, `maxkv.quantized`): steps of up
-to `QUANT_MAX_ROWS` rows stream that copy, 4 to 7 times fewer bytes, and
+weights (GGUF's blocks, `maxkv.cpu.quantized`: 4-bit integers with a scale
+and offset per 32 weights along K, or 8-bit ones per 32 or 16): steps of up
+to `QUANT_MAX_ROWS` rows stream that copy, 3 to 7 times fewer bytes, and
 dequantize each tile row in registers with one rounding per weight, so the
 results are bit-identical to the float32 path, which larger steps use (there
 the matmul is compute-bound and dequantizing again per row block costs more
@@ -47,7 +48,9 @@ comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime FLOAT32 = 32
 """`BITS` of the float32 tiles (the quantized copies have 4 or 8)."""
 comptime QBLOCK = 32
-"""Weights per quantization block along K (GGML's Q4_0, Q4_1 and Q8_0 blocks)."""
+"""Weights per quantization block along K (most GGML types; Q6_K's are `QBLOCK_SMALL`)."""
+comptime QBLOCK_SMALL = 16
+"""The smaller block along K, read with 8-bit integers only."""
 comptime QUANT_MAX_ROWS = 8
 """Up to this many rows `maxkv.linear_packed_q` reads the quantized copy."""
 comptime PREFETCH_SPAN = 6
@@ -103,7 +106,7 @@ def _fma_k[R: Int, C: Int](
 
 
 @always_inline
-def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False](
+def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLOCK](
     x: Ptr,
     w: Ptr,
     q: U8Ptr,
@@ -125,7 +128,8 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False](
     per output, the bits of adding the two afterwards.
 
     `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4 or
-    8 read the quantized tile `q` with its per-block scales and offsets `sm`,
+    8 read the quantized tile `q` with its scales and offsets `sm` per `QB`
+    rows,
     dequantized row by row in registers to the same float32 values.  Either
     way each output is `fma(x[m, k], w[k], acc)` for `k = 0 .. K - 1` in
     order, so the block shape, the layout and the weight copy never change
@@ -162,11 +166,11 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False](
         for k in range(k0, K):
             _fma_k[R, C](rows, k, w.unsafe_load[width=C](k * C), acc)
     else:
-        for kb in range(K // QBLOCK):
+        for kb in range(K // QB):
             var scale = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
             var offset = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
-            for kk in range(QBLOCK):
-                var k = kb * QBLOCK + kk
+            for kk in range(QB):
+                var k = kb * QB + kk
                 _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, scale, offset), acc)
     comptime for r in range(R):
         var at = (m0 + r) * N + n0 + C0
@@ -199,7 +203,7 @@ def _next_rows[R: Int](rest: Int) -> Int:
 
 
 @always_inline
-def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool](
+def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
     x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, pf: Ptr, residual: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows, a register block at a time.
@@ -231,12 +235,12 @@ def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool](
         var first = index if step > 0 and index < step else PREFETCH_SPAN
         comptime for r in range(1, R + 1):
             if rows == r:
-                _block[r, BITS, C, C0, ADD](x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual)
+                _block[r, BITS, C, C0, ADD, QB](x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual)
         m += rows
         index += 1
 
 
-def _linear[BITS: Int, C: Int, ADD: Bool](
+def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK](
     xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int, residual: Ptr
 ) raises:
     """`op[M, N] = xp[M, K] @ w.T` (plus `residual[M, N]` with `ADD`) over the float32 tiles `wp` (`BITS == FLOAT32`,
@@ -262,7 +266,7 @@ def _linear[BITS: Int, C: Int, ADD: Bool](
     var workers = max(1, min(parallelism_level(None), blocks))
     var pairs = (workers + 1) // 2
     var q_tile = K * TILE * BITS // 8
-    var sm_tile = (K // QBLOCK) * 2 * TILE
+    var sm_tile = (K // QB) * 2 * TILE
     # One claim counter per pair, each on its own cache line.
     var claimed = alloc[Int64](pairs * CLAIM_STRIDE).unsafe_origin_cast[MutUntrackedOrigin]()
     for p in range(pairs):
@@ -287,7 +291,7 @@ def _linear[BITS: Int, C: Int, ADD: Bool](
             var pf = wp.unsafe_offset(ahead * C * K)
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
-                    _column_block[BITS, C, b * C, ADD](xp, w, q, sm, op, M, K, N, t * TILE, pf, residual)
+                    _column_block[BITS, C, b * C, ADD, QB](xp, w, q, sm, op, M, K, N, t * TILE, pf, residual)
 
     sync_parallelize(work, workers)
     claimed.unsafe_free()
@@ -326,6 +330,7 @@ def _run[
     w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
     qp: U8Ptr,
     q_width: Int,
+    q_block: Int,
     smp: Ptr,
     residual: Ptr,
     residual_rows: Int,
@@ -334,7 +339,8 @@ def _run[
     """The body of every `maxkv.linear_packed*` op, after its own checks.
 
     `q_width` 0: no quantized copy (`qp` and `smp` are never read); else the
-    bytes per row of a quantized tile (64 for 8 bits, 32 for 4).  With
+    bytes per row of a quantized tile (64 for 8 bits, 32 for 4), with a
+    scale and offset per `q_block` rows (32, or 16 with 8 bits).  With
     `ADD`, `residual` is `[residual_rows, residual_cols]`, checked here
     against the output.
     """
@@ -357,6 +363,8 @@ def _run[
     var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     if q_width == 0 or M > QUANT_MAX_ROWS:
         _linear[FLOAT32, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_width == TILE and q_block == QBLOCK_SMALL:
+        _linear[8, block_cols, ADD, QBLOCK_SMALL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
     elif q_width == TILE:
         _linear[8, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
     else:
@@ -371,15 +379,17 @@ def _check_quantized(
     q: InputTensor[dtype=DType.uint8, rank=3, ...],
     sm: InputTensor[dtype=DType.float32, rank=4, ...],
 ) raises -> Int:
-    """Checks a quantized copy of a packed `[N, K]` weight of `tiles` tiles; returns its row width."""
+    """Checks a quantized copy of a packed `[N, K]` weight of `tiles` tiles; returns its
+    rows per block (`QBLOCK`, or `QBLOCK_SMALL` for an 8-bit copy with `K / 16` blocks)."""
     var q_width = q.dim_size(2)
+    var q_block = QBLOCK_SMALL if q_width == TILE and sm.dim_size(1) * QBLOCK_SMALL == K else QBLOCK
     if (
-        K % QBLOCK != 0
+        K % q_block != 0
         or q.dim_size(0) != tiles
         or q.dim_size(1) != K
         or (q_width != TILE and q_width != TILE // 2)
         or sm.dim_size(0) != tiles
-        or sm.dim_size(1) != K // QBLOCK
+        or sm.dim_size(1) != K // q_block
         or sm.dim_size(2) != 2
         or sm.dim_size(3) != TILE
     ):
@@ -388,7 +398,7 @@ def _check_quantized(
             "], sm [", sm.dim_size(0), ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ",
             sm.dim_size(3), "] are not a quantized [", N, ", ", K, "] weight",
         )
-    return q_width
+    return q_block
 
 
 @extensibility.register("maxkv.linear_packed")
@@ -407,7 +417,7 @@ struct LinearPacked:
         comptime assert is_cpu[target](), "maxkv.linear_packed runs on CPU"
         var wp = _ptr(w_packed)  # no quantized copy or residual: never read
         _run[block_cols, False](
-            "maxkv.linear_packed", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, wp, wp, 0, 0
+            "maxkv.linear_packed", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, 0, wp, wp, 0, 0
         )
 
 
@@ -428,7 +438,7 @@ struct LinearPackedAdd:
         comptime assert is_cpu[target](), "maxkv.linear_packed_add runs on CPU"
         var wp = _ptr(w_packed)  # no quantized copy: never read
         _run[block_cols, True](
-            "maxkv.linear_packed_add", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, wp,
+            "maxkv.linear_packed_add", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, 0, wp,
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 
@@ -437,9 +447,10 @@ struct LinearPackedAdd:
 struct LinearPackedQ:
     """`maxkv.linear_packed` with a block-quantized copy of `w` for few rows.
 
-    `q` `[tiles, K, 64 * bits / 8]` uint8 and `sm` `[tiles, K / 32, 2, 64]`
-    float32 hold the same weights as `w_packed`: tile `t`, row `k`, column
-    `j` is `fma(q, sm[t, k / 32, 0, j], sm[t, k / 32, 1, j])`, where `q` is
+    `q` `[tiles, K, 64 * bits / 8]` uint8 and `sm` `[tiles, K / B, 2, 64]`
+    float32 (`B` 32, or 16 with 8 bits) hold the same weights as `w_packed`:
+    tile `t`, row `k`, column `j` is
+    `fma(q, sm[t, k / B, 0, j], sm[t, k / B, 1, j])`, where `q` is
     byte `j` (8 bits) or, for 4 bits, the low nibble of byte `j` (`j < 32`)
     or the high nibble of byte `j - 32`.  Up to `QUANT_MAX_ROWS` rows read
     the quantized copy (4 to 8 times fewer bytes), more rows the float32
@@ -460,9 +471,11 @@ struct LinearPackedQ:
         comptime assert is_cpu[target](), "maxkv.linear_packed_q runs on CPU"
         comptime name = "maxkv.linear_packed_q"
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
-        var q_width = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         var smp = _ptr(sm)  # no residual: never read
-        _run[block_cols, False](name, output, x, w_packed, _ptr(q), q_width, smp, smp, 0, 0)
+        _run[block_cols, False](
+            name, output, x, w_packed, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
+        )
 
 
 @extensibility.register("maxkv.linear_packed_q_add")
@@ -484,9 +497,9 @@ struct LinearPackedQAdd:
         comptime assert is_cpu[target](), "maxkv.linear_packed_q_add runs on CPU"
         comptime name = "maxkv.linear_packed_q_add"
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
-        var q_width = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         _run[block_cols, True](
-            name, output, x, w_packed, _ptr(q), q_width, _ptr(sm),
+            name, output, x, w_packed, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 

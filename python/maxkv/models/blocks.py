@@ -16,6 +16,7 @@ from max.dtype import DType
 from max.graph import TensorValue, ops
 
 from .. import ops as kvops
+from ..cpu.quantized import PackedFormat
 from .config import DecoderConfig
 
 #: Reads the graph weight of a name (:func:`maxkv.models.decoder.graph_weight_shapes`).
@@ -30,7 +31,7 @@ class Blocks:
         weight: The graph weight of a name.
         packed: Matrices are packed for :func:`maxkv.ops.linear_packed` (CPU
             float32); otherwise ``[out, in]`` for ``x @ w.T``.
-        quant_bits: Matrices with a quantized copy (``<name>.q``, ``.sm``).
+        quant_formats: Matrices with a quantized copy (``<name>.q``, ``.sm``).
     """
 
     def __init__(
@@ -38,12 +39,12 @@ class Blocks:
         config: DecoderConfig,
         weight: WeightFn,
         packed: bool,
-        quant_bits: Mapping[str, int] | None = None,
+        quant_formats: Mapping[str, PackedFormat] | None = None,
     ) -> None:
         self.config = config
         self.weight = weight
         self.packed = packed
-        self.quant_bits = dict(quant_bits or {})
+        self.quant_formats = dict(quant_formats or {})
         c = config
         self.q_width = c.num_attention_heads * c.head_dim
         self.kv_width = c.num_key_value_heads * c.head_dim
@@ -55,10 +56,8 @@ class Blocks:
         packed, the add happens in the matmul's epilogue."""
         w = self.weight(name)
         if self.packed:
-            bits = self.quant_bits
-            quantized = (
-                (self.weight(f"{name}.q"), self.weight(f"{name}.sm")) if name in bits else None
-            )
+            has_copy = name in self.quant_formats
+            quantized = (self.weight(f"{name}.q"), self.weight(f"{name}.sm")) if has_copy else None
             return kvops.linear_packed(x, w, out_features, quantized, residual=residual)
         y = x @ w.T
         return y if residual is None else residual + y

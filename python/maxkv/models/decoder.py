@@ -31,7 +31,7 @@ from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
-from ..cpu.quantized import BlockQuantized
+from ..cpu.quantized import BlockQuantized, PackedFormat
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
@@ -179,7 +179,7 @@ def graph_weights(
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
             out[f"layers.{i}.qkv_bias"] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
-    quant_bits: dict[str, int] = {}
+    quant_formats: dict[str, PackedFormat] = {}
     for name, parts in matrix_sources(config, packed=packed).items():
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
@@ -190,7 +190,7 @@ def graph_weights(
             copy = BlockQuantized.concat([quantized[part] for part in parts])
             if copy.exactly(matrix):
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
-                quant_bits[name] = copy.bits
+                quant_formats[name] = copy.format
     if greedy_head:
         if not packed:
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
@@ -199,7 +199,7 @@ def graph_weights(
     # On a cache line each: MAX hands these arrays to the kernels where they lie.
     prepared = {name: aligned(a, _weight_dtype(name).to_numpy()) for name, a in out.items()}
     expected = graph_weight_shapes(
-        config, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head
+        config, packed=packed, quant_formats=quant_formats, greedy_head=greedy_head
     )
     assert {n: a.shape for n, a in prepared.items()} == expected, "graph weight layout drifted"
     if dtype == DType.float32:
@@ -220,10 +220,10 @@ def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     return dtype
 
 
-def quantized_bits(registry: Mapping[str, Any]) -> dict[str, int]:
-    """Matrix name -> bits of its quantized copy in a :func:`graph_weights` registry."""
+def quantized_formats(registry: Mapping[str, Any]) -> dict[str, PackedFormat]:
+    """Matrix name -> layout of its quantized copy in a :func:`graph_weights` registry."""
     return {
-        name[: -len(".q")]: int(a.shape[2]) * 8 // kvops.PACKED_TILE
+        name[: -len(".q")]: PackedFormat.of(a.shape, registry[name[: -len(".q")] + ".sm"].shape)
         for name, a in registry.items()
         if name.endswith(".q")
     }
@@ -233,12 +233,13 @@ def graph_weight_shapes(
     config: DecoderConfig,
     *,
     packed: bool,
-    quant_bits: Mapping[str, int] | None = None,
+    quant_formats: Mapping[str, PackedFormat] | None = None,
     greedy_head: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`).
 
-    ``quant_bits``: matrix name -> 4 or 8 for the matrices with a quantized copy;
+    ``quant_formats``: matrix name -> the
+    :class:`~maxkv.cpu.quantized.PackedFormat` of each matrix with a quantized copy;
     ``greedy_head``: with the head's int8 copy for :func:`maxkv.ops.greedy_head`.
     """
     c = config
@@ -278,10 +279,10 @@ def graph_weight_shapes(
                 f"layers.{i}.pre_ff_norm": (c.hidden_size,),
                 f"layers.{i}.post_ff_norm": (c.hidden_size,),
             }
-    for name, bits in (quant_bits or {}).items():
+    for name, fmt in (quant_formats or {}).items():
         tiles, _, k, _ = shapes[name]
-        shapes[f"{name}.q"] = (tiles, k, kvops.PACKED_TILE * bits // 8)
-        shapes[f"{name}.sm"] = (tiles, k // 32, 2, kvops.PACKED_TILE)
+        shapes[f"{name}.q"] = fmt.q_shape(tiles, k)
+        shapes[f"{name}.sm"] = fmt.sm_shape(tiles, k)
     if greedy_head:
         tiles = -(-c.vocab_size // kvops.PACKED_TILE)
         layout = kvops.greedy_head_layout() or "vnni"
@@ -297,7 +298,7 @@ def build_decoder_graph(
     layer_collections: Callable[[Sequence[Any]], list[tuple[KVCacheCollection, int]]],
     device: DeviceRef,
     output: OutputKind = "tokens",
-    quant_bits: Mapping[str, int] | None = None,
+    quant_formats: Mapping[str, PackedFormat] | None = None,
     greedy_head: bool = False,
     head_rows: HeadRows = "last",
 ) -> Graph:
@@ -312,8 +313,8 @@ def build_decoder_graph(
     dtype).  The model computes in ``params.dtype`` (:data:`MODEL_DTYPES`).
     Weights are graph weights named and laid out as :func:`graph_weights`
     does for ``device`` and that dtype (packed for float32 on the CPU);
-    ``quant_bits`` names the matrices that have a quantized copy
-    (:func:`quantized_bits` of that registry).  ``greedy_head`` (CPU,
+    ``quant_formats`` names the matrices that have a quantized copy
+    (:func:`quantized_formats` of that registry).  ``greedy_head`` (CPU,
     ``output="tokens"``): the next tokens come from
     :func:`maxkv.ops.greedy_head` (the same tokens as the argmax of every
     logit, see there); the registry then holds its weights.
@@ -330,12 +331,14 @@ def build_decoder_graph(
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
     packed = uses_packed_kernels(device, dtype)
-    quant_bits = dict(quant_bits or {})
-    if quant_bits and not packed:
+    quant_formats = dict(quant_formats or {})
+    if quant_formats and not packed:
         raise ValueError("quantized weight copies are read on the CPU only")
     if greedy_head and (not packed or output != "tokens"):
         raise ValueError("greedy_head needs a CPU graph that outputs tokens")
-    shapes = graph_weight_shapes(cfg, packed=packed, quant_bits=quant_bits, greedy_head=greedy_head)
+    shapes = graph_weight_shapes(
+        cfg, packed=packed, quant_formats=quant_formats, greedy_head=greedy_head
+    )
 
     weights: dict[str, Weight] = {}
 
@@ -345,7 +348,7 @@ def build_decoder_graph(
             weights[name] = Weight(name, _weight_dtype(name, dtype), shapes[name], device)
         return weights[name]
 
-    blocks = Blocks(cfg, weight, packed, quant_bits)
+    blocks = Blocks(cfg, weight, packed, quant_formats)
     # MAX's fused QKV matmul stores K and V straight from the matmul, so a
     # QKV bias or q/k norms (applied between) need the projection apart.
     projected_apart = cfg.qkv_bias or cfg.qk_norm
@@ -560,8 +563,8 @@ class DecoderModel:
         else:
             assert prepared is not None
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
-        #: Matrix name -> bits of the quantized copy small steps read.
-        self.quant_bits = quantized_bits(registry)
+        #: Matrix name -> layout of the quantized copy small steps read.
+        self.quant_formats = quantized_formats(registry)
         graph = build_decoder_graph(
             config,
             params,
@@ -569,7 +572,7 @@ class DecoderModel:
             functools.partial(spec_layer_collections, spec),
             ref,
             output,
-            self.quant_bits,
+            self.quant_formats,
             self.greedy_head,
             head_rows,
         )

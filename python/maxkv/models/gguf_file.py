@@ -281,8 +281,9 @@ def read_gguf(
 def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
     """The block-quantized matrices of a GGUF file, as stored (Hugging Face names).
 
-    Every 2-D tensor of type Q4_0, Q4_1 or Q8_0 (:data:`maxkv.cpu.quantized.GGUF_TYPES`)
-    as a :class:`~maxkv.cpu.quantized.BlockQuantized` ``[N, K]``, Q and K rows
+    Every 2-D tensor of a type in :data:`maxkv.cpu.quantized.GGUF_TYPES` (Q4_0,
+    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as a
+    :class:`~maxkv.cpu.quantized.BlockQuantized` ``[N, K]``, Q and K rows
     unpermuted as :func:`read_gguf` does; other types are left out.  What
     :func:`read_gguf` returns for these tensors is exactly their
     :meth:`~maxkv.cpu.quantized.BlockQuantized.dequantize`.

@@ -27,6 +27,12 @@ from .errors import ModelLoadError
 #: GGUF token types (llama.cpp's ``llama_token_type``) are SentencePiece's piece
 #: types: 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte.
 _PIECE_TYPES = range(1, 7)
+_USER_DEFINED = 4
+#: Changes whenever the conversion below changes what a vocabulary tokenizes to
+#: (cached conversions of another version are not reused).
+CONVERTER_VERSION = 2
+#: SentencePiece's escaped space (``escape_whitespaces``).
+_SPACE = "\u2581"
 _BPE = 2  # TrainerSpec.ModelType
 
 
@@ -84,6 +90,10 @@ def sentencepiece_model(
         raise ModelLoadError(f"GGUF tokenizer: unknown token types {bad}")
     out = bytearray()
     for piece, score, kind in zip(tokens, scores, types, strict=True):
+        if kind == _USER_DEFINED:
+            # llama.cpp matches user-defined pieces (Gemma's runs of spaces) in the raw
+            # text; SentencePiece matches them after escaping spaces, so store them so.
+            piece = piece.replace(" ", _SPACE)
         body = (
             _bytes(1, piece.encode())
             + _key(2, 5)

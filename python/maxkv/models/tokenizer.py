@@ -26,7 +26,7 @@ from typing import Any
 from ..cachedir import cache_dir
 from .config import DecoderConfig, ModelLoadError
 from .loading import model_file
-from .spm import SETTINGS, SentencePieceTokenizer, write_gguf_sentencepiece
+from .spm import CONVERTER_VERSION, SETTINGS, SentencePieceTokenizer, write_gguf_sentencepiece
 
 _lock = threading.Lock()
 
@@ -110,7 +110,11 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
     ``llama``) as llama.cpp tokenizes it (:mod:`maxkv.models.spm`), any other as
     transformers converts it; cached either way."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    # The converter's version is part of the key: a fixed converter is not read
+    # from an older cache.
+    key = hashlib.sha256(
+        f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()
+    )
     cached = cache_dir() / "tokenizers" / key.hexdigest()[:24]
     if (cached / SETTINGS).is_file():
         return SentencePieceTokenizer(cached)
