@@ -610,80 +610,77 @@ def test_gguf_of_every_family_reads_as_transformers_reads_it(family: str, tmp_pa
 # ------------------------------------------------------------------ SentencePiece GGUF vocabularies
 
 
-def _tiny_spm(**overrides: object) -> dict[str, object]:
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>", "▁", "a", "b", "c", "ab", "bc", "abc"]
-    scores = [0.0] * 5 + [-10.0, -10.0, -10.0, -10.0, -1.0, -2.0, -0.5]
-    types = [3, 3, 3, 2, 3] + [1] * 7
-    return {"tokens": tokens, "scores": scores, "types": types} | overrides
-
-
-@pytest.mark.unit
-def test_sentencepiece_model_is_the_protobuf_sentencepiece_reads() -> None:
-    """The hand-written ModelProto equals protobuf's serialization of the same message."""
-    pb = pytest.importorskip("transformers.utils.sentencepiece_model_pb2_new")
-    from maxkv.models.spm import sentencepiece_model
-
-    spm = _tiny_spm()
-    written = sentencepiece_model(
-        spm["tokens"],  # type: ignore[arg-type]
-        spm["scores"],  # type: ignore[arg-type]
-        spm["types"],  # type: ignore[arg-type]
-        unk_id=3,
-        bos_id=2,
-        eos_id=1,
-        pad_id=-1,
-        add_space_prefix=False,
-    )
-    model = pb.ModelProto()
-    for piece, score, kind in zip(spm["tokens"], spm["scores"], spm["types"], strict=True):  # type: ignore[call-overload]
-        p = model.pieces.add()
-        p.piece, p.score, p.type = piece, score, kind
-    t = model.trainer_spec
-    t.model_type, t.vocab_size, t.byte_fallback = 2, 12, False
-    t.unk_id, t.bos_id, t.eos_id, t.pad_id = 3, 2, 1, -1
-    n = model.normalizer_spec
-    n.name, n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces = (
-        "identity",
-        False,
-        False,
-        True,
-    )
-    parsed = pb.ModelProto()
-    parsed.ParseFromString(written)
-    assert parsed == model
-
-
-@pytest.mark.unit
-def test_sentencepiece_gguf_tokenizer_merges_by_score(tmp_path: Path) -> None:
-    """llama.cpp's SentencePiece tokenization: the pair whose merge scores highest
-    first, spaces as ▁ (no prefix without add_space_prefix), control tokens written
-    in the text taken whole, BOS added as the file says."""
+def _write_tiny_spm(path: Path, add_space_prefix: bool) -> None:
+    """A vocabulary-only SentencePiece GGUF (llama.cpp's ``llama-tokenize`` reads it)."""
     import gguf
 
-    from maxkv.models.spm import SentencePieceTokenizer, write_gguf_sentencepiece
-
-    spm = _tiny_spm()
-    path = tmp_path / "spm.gguf"
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>", "▁", "a", "b", "c", "ab", "bc"]
+    tokens += ["abc", "▁a", "  "]
+    scores = [0.0] * 5 + [-10.0] * 4 + [-1.0, -2.0, -0.5, -3.0, 0.0]
+    types = [3, 3, 3, 2, 3] + [1] * 8 + [4]  # control, unknown, normal, user-defined
     writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(1)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("llama")
-    writer.add_token_list(spm["tokens"])  # type: ignore[arg-type]
-    writer.add_token_scores(spm["scores"])  # type: ignore[arg-type]
-    writer.add_token_types(spm["types"])  # type: ignore[arg-type]
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
     writer.add_unk_token_id(3)
-    writer.add_add_space_prefix(False)
+    writer.add_add_space_prefix(add_space_prefix)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    write_gguf_sentencepiece(gguf.GGUFReader(path).fields, tmp_path / "tok")
-    tok = SentencePieceTokenizer(tmp_path / "tok")
-    ids = {t: i for i, t in enumerate(spm["tokens"])}  # type: ignore[call-overload]
-    assert tok("abc")["input_ids"] == [2, ids["abc"]]  # ab (-1) before bc (-2), then abc
-    assert tok("bca", add_special_tokens=False)["input_ids"] == [ids["bc"], ids["a"]]
-    assert tok("a b<turn>c")["input_ids"] == [2, 6, 5, 7, 4, 8]
-    assert tok.decode([2, 6, 5, 7, 4, 8]) == "a bc"
-    assert tok.decode([2, 6, 5, 7, 4, 8], skip_special_tokens=False) == "<bos>a b<turn>c"
+
+
+#: ``llama-tokenize -m FILE -f TEXT --ids`` (llama.cpp 11434) on :func:`_write_tiny_spm`'s
+#: files: the pair whose merge scores highest first (ab before bc, then abc), control
+#: and user-defined pieces ("  ") taken whole from the raw text, and with
+#: ``add_space_prefix`` a ▁ before every stretch of text, after such pieces too.
+_LLAMA_CPP_TINY_SPM = [
+    (False, "abc", [2, 11]),
+    (False, "bca", [2, 10, 6]),
+    (False, "a b<turn>c", [2, 6, 5, 7, 4, 8]),
+    (False, "a  b", [2, 6, 13, 7]),
+    (False, "<turn>a", [2, 4, 6]),
+    (False, "ab c a", [2, 9, 5, 8, 12]),
+    (True, "abc", [2, 5, 11]),
+    (True, "bca", [2, 5, 10, 6]),
+    (True, "a b<turn>c", [2, 12, 5, 7, 4, 5, 8]),
+    (True, "a  b", [2, 12, 13, 5, 7]),
+    (True, "<turn>a", [2, 4, 12]),
+    (True, "ab c a", [2, 5, 9, 5, 8, 12]),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("prefix", "text", "expected"), _LLAMA_CPP_TINY_SPM)
+def test_sentencepiece_gguf_tokenizer_gives_llama_cpp_ids(
+    tmp_path: Path, prefix: bool, text: str, expected: list[int]
+) -> None:
+    import gguf
+
+    from maxkv.models.spm import gguf_sentencepiece_tokenizer
+
+    path = tmp_path / "spm.gguf"
+    _write_tiny_spm(path, prefix)
+    tokenizer = gguf_sentencepiece_tokenizer(gguf.GGUFReader(path).fields)
+    assert tokenizer(text)["input_ids"] == expected
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == expected[1:]
+    if not prefix:  # without added spaces the text comes back as it was
+        assert tokenizer.decode(expected, skip_special_tokens=False) == "<bos>" + text
+    # A Hugging Face tokenizer: saved and read back by AutoTokenizer (as MAX reads it).
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "tok"))(text)["input_ids"] == expected
 
 
 # ------------------------------------------------------------------ Gemma 3 270M (real weights)

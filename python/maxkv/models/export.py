@@ -1,9 +1,14 @@
 """Writing a loaded model as a Hugging Face directory (float32 safetensors).
 
 For tools that read only Hugging Face directories, such as MAX's own Llama
-pipeline: ``python -m maxkv.models export smollm2-135m DIR`` writes
-``config.json``, ``generation_config.json``, ``model.safetensors`` (the
-dequantized float32 weights under Hugging Face names) and the tokenizer files.
+pipeline, and for ``max serve --model-path DIR --weight-path FILE.gguf`` (MAX
+reads the configuration from ``DIR``, maxkv the weights from the file):
+``python -m maxkv.models export gemma3-270m DIR`` writes ``config.json``,
+``generation_config.json``, ``model.safetensors`` (the dequantized float32
+weights under Hugging Face names) and the tokenizer files.  A GGUF file's
+``config.json`` is the one transformers' GGUF loader builds from its metadata
+(:func:`~maxkv.models.gguf_file.hf_config_from_metadata`), for every family;
+a directory's is written as a ``LlamaForCausalLM`` (plain Llamas only).
 """
 
 from __future__ import annotations
@@ -18,7 +23,20 @@ from .resolve import LoadedModel
 
 
 def hf_config_dict(model: LoadedModel) -> dict[str, object]:
-    """The ``config.json`` of ``model`` (``LlamaForCausalLM``, float32)."""
+    """The ``config.json`` of ``model`` (float32): its GGUF file's, read as transformers
+    reads it (any family), else a ``LlamaForCausalLM``'s.
+
+    Raises:
+        ModelLoadError: If the model is neither from a GGUF file nor a plain Llama.
+    """
+    if model.path is not None and model.path.suffix == ".gguf":
+        from .gguf_file import hf_config_from_metadata, open_gguf
+
+        reader = open_gguf(model.path)
+        raw = hf_config_from_metadata(reader.fields, {t.name for t in reader.tensors})
+        if DecoderConfig.from_hf(raw) != model.config:
+            raise ModelLoadError(f"{model.path}: its config.json would not read back as loaded")
+        return {**raw, "torch_dtype": "float32"}
     return llama_config_json(model.config)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from ..cachedir import cache_dir
 from .config import DecoderConfig, ModelLoadError
 from .loading import model_file
-from .spm import CONVERTER_VERSION, SETTINGS, SentencePieceTokenizer, write_gguf_sentencepiece
+from .spm import CONVERTER_VERSION, gguf_sentencepiece_tokenizer
 
 _lock = threading.Lock()
 
@@ -116,8 +116,6 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
         f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()
     )
     cached = cache_dir() / "tokenizers" / key.hexdigest()[:24]
-    if (cached / SETTINGS).is_file():
-        return SentencePieceTokenizer(cached)
     if (cached / "tokenizer_config.json").is_file():
         return auto.from_pretrained(str(cached))
     from .gguf_file import open_gguf
@@ -128,18 +126,17 @@ def _gguf_tokenizer(auto: Any, gguf: Path) -> Any:
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cached.parent))
     try:
-        tokenizer = None
         if sentencepiece:
-            write_gguf_sentencepiece(fields, staging)
+            tokenizer = gguf_sentencepiece_tokenizer(fields)
         else:
             tokenizer = _from_gguf_without_torch(auto, gguf)
-            tokenizer.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
         os.replace(staging, cached)
     except OSError:  # another process published it first
         pass
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return SentencePieceTokenizer(cached) if sentencepiece else tokenizer
+    return tokenizer
 
 
 def _from_gguf_without_torch(auto: Any, gguf: Path) -> Any:

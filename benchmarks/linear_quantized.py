@@ -1,0 +1,144 @@
+"""``linear_packed`` over float32 weights against its exact quantized copies, by rows.
+
+    python benchmarks/linear_quantized.py --json benchmarks/results/linear_quantized_<isa>.json
+
+For the matrices of a decode step of two real models (SmolLM2-135M's fused
+gate/up ``[3072, 576]`` and down ``[576, 1536]``, Gemma 3 270M's ``[4096,
+640]`` and ``[640, 2048]``), each copy format the kernel reads
+(:class:`maxkv.cpu.quantized.PackedFormat`: 4-bit integers per 32 weights,
+8-bit ones per 32 or per 16) is timed against the float32 weights at 1 to 64
+rows, interleaved, medians of ``--repeats``; results are checked equal bit
+for bit first.  Printed and saved: microseconds per call and the weight bytes
+each call streams per microsecond (GB/s), with the machine's read bandwidth
+(``maxkv.stream_read``) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph, TensorType, Weight
+from maxkv_bench.machine import read_bandwidth_gbps
+from maxkv_bench.report import machine_info
+from maxkv_bench.timing import interleaved_median_seconds
+
+from maxkv import ops as kvops
+from maxkv.cpu.quantized import BlockQuantized, PackedFormat
+from maxkv.kernels import kernels_path
+
+SHAPES = {
+    "smollm2.gate_up": (3072, 576),
+    "smollm2.down": (576, 1536),
+    "gemma3.gate_up": (4096, 640),
+    "gemma3.down": (640, 2048),
+}
+FORMATS = [PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16)]
+ROWS = (1, 4, 8, 16, 32, 64)
+
+
+def random_copy(rng: np.random.Generator, n: int, k: int, fmt: PackedFormat) -> BlockQuantized:
+    """float16 scales and offsets: every product exact, as in a GGUF file."""
+    q = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
+    blocks = k // fmt.block
+    scale = rng.uniform(0.001, 0.05, (n, blocks)).astype(np.float16).astype(np.float32)
+    offset = (rng.standard_normal((n, blocks)) * 0.1).astype(np.float16).astype(np.float32)
+    return BlockQuantized(q, scale, offset, fmt.bits, fmt.block)
+
+
+def build(
+    session: InferenceSession, name: str, n: int, k: int, arrays: dict[str, np.ndarray]
+) -> object:
+    """A graph of one ``linear_packed`` over ``arrays`` (``w``, and ``q``/``sm`` if given)."""
+    device = DeviceRef.CPU()
+    with Graph(
+        name,
+        input_types=[TensorType(DType.float32, ["m", k], device)],
+        custom_extensions=[kernels_path()],
+    ) as g:
+        w = Weight("w", DType.float32, arrays["w"].shape, device)
+        quantized = None
+        if "q" in arrays:
+            quantized = (
+                Weight("q", DType.uint8, arrays["q"].shape, device),
+                Weight("sm", DType.float32, arrays["sm"].shape, device),
+            )
+        g.output(kvops.linear_packed(g.inputs[0].tensor, w, n, quantized))
+    return session.load(g, weights_registry=arrays)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    session = InferenceSession(devices=[CPU()])
+    bandwidth = read_bandwidth_gbps(session, CPU(), os.cpu_count() or 1)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    rows_out = []
+    for shape_name in args.shapes.split(","):
+        n, k = SHAPES[shape_name]
+        for fmt in FORMATS:
+            copy = random_copy(rng, n, k, fmt)
+            weight = copy.dequantize()
+            q, sm = copy.pack()
+            w = kvops.pack_linear_weight(weight)
+            tag = f"{shape_name.replace('.', '_')}_{fmt.bits}_{fmt.block}"
+            f32 = build(session, f"f32_{tag}", n, k, {"w": w})
+            quant = build(session, f"q_{tag}", n, k, {"w": w, "q": q, "sm": sm})
+            f32_bytes, q_bytes = w.nbytes, q.nbytes + sm.nbytes
+            for m in ROWS:
+                x = Buffer.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+                a = f32.execute(x)[0].to_numpy()  # type: ignore[attr-defined]
+                b = quant.execute(x)[0].to_numpy()  # type: ignore[attr-defined]
+                assert np.array_equal(a, b), f"{shape_name} {fmt} M={m}: results differ"
+                calls = {
+                    "f32": functools.partial(f32.execute, x),  # type: ignore[attr-defined]
+                    "q": functools.partial(quant.execute, x),  # type: ignore[attr-defined]
+                }
+                times = interleaved_median_seconds(calls, warmup=3, repeats=args.repeats)
+                row = {
+                    "matrix": shape_name,
+                    "shape": [n, k],
+                    "format": {"bits": fmt.bits, "block": fmt.block},
+                    "rows": m,
+                    "float32_us": times["f32"] * 1e6,
+                    "quantized_us": times["q"] * 1e6,
+                    "speedup": times["f32"] / times["q"],
+                    "float32_bytes": f32_bytes,
+                    "quantized_bytes": q_bytes,
+                    "float32_gbps": f32_bytes / times["f32"] / 1e9,
+                    "quantized_gbps": q_bytes / times["q"] / 1e9,
+                }
+                rows_out.append(row)
+                print(
+                    f"{shape_name:16} {fmt.bits}-bit/{fmt.block:2} M={m:3}: "
+                    f"f32 {row['float32_us']:8.1f} us, quantized {row['quantized_us']:8.1f} us "
+                    f"({row['speedup']:.2f}x; {row['quantized_gbps']:.1f} GB/s of "
+                    f"{q_bytes / 1e6:.2f} MB)",
+                    flush=True,
+                )
+    results = {
+        "machine": machine_info("cpu"),
+        "read_bandwidth_gbps": bandwidth,
+        "repeats": args.repeats,
+        "rows": rows_out,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
