@@ -137,17 +137,18 @@ def write_llama_gguf(
             writer.add_tensor(name, data)
         elif qtype == qtype.F16:
             writer.add_tensor(name, data.astype(np.float16))
-        elif kind in _F16_FIELDS:
+        else:
             try:
                 packed = quants.quantize(data, qtype)
-            except NotImplementedError:  # the K-quants: random blocks (not the weights)
+            except NotImplementedError:  # gguf cannot write this type
                 rows = int(np.prod(data.shape[:-1]))
-                seed = zlib.crc32(name.encode())
-                blocks = random_blocks(kind, rows, data.shape[-1], np.random.default_rng(seed))
-                packed = blocks.reshape(*data.shape[:-1], -1)
+                if kind in _F16_FIELDS:  # the K-quants: random blocks (not the weights)
+                    rng = np.random.default_rng(zlib.crc32(name.encode()))
+                    blocks = random_blocks(kind, rows, data.shape[-1], rng)
+                    packed = blocks.reshape(*data.shape[:-1], -1)
+                else:
+                    packed = _raw_blocks(data, qtype)
             writer.add_tensor(name, packed, raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, _raw_blocks(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -605,6 +605,20 @@ def test_gguf_of_every_family_reads_as_transformers_reads_it(family: str, tmp_pa
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         scale = float(np.abs(weights[name]).max())
         np.testing.assert_allclose(loaded[name], weights[name], atol=0.02 * scale)
+    # Exported as a Hugging Face directory (what `max serve --model-path` reads beside
+    # `--weight-path FILE.gguf`): its config.json is the one transformers builds from
+    # the file, and the directory reads back as the file did.
+    from transformers import AutoConfig
+
+    from maxkv.models.export import export_hf_directory
+
+    out = export_hf_directory(LoadedModel(family, config, loaded, None, path), tmp_path / "hf")
+    assert type(AutoConfig.from_pretrained(str(out))) is type(reference.config)
+    config_back, weights_back = load_model(out)
+    assert config_back == config
+    assert sorted(weights_back) == sorted(loaded)
+    for name, array in loaded.items():
+        np.testing.assert_array_equal(weights_back[name], array, err_msg=name)
 
 
 # ------------------------------------------------------------------ SentencePiece GGUF vocabularies
