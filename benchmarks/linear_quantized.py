@@ -32,7 +32,7 @@ from maxkv_bench.report import machine_info
 from maxkv_bench.timing import interleaved_median_seconds
 
 from maxkv import ops as kvops
-from maxkv.cpu.quantized import BlockQuantized, PackedFormat
+from maxkv.cpu.quantized import PACKED_FORMATS, BlockQuantized, PackedFormat
 from maxkv.kernels import kernels_path
 
 SHAPES = {
@@ -41,7 +41,7 @@ SHAPES = {
     "gemma3.gate_up": (4096, 640),
     "gemma3.down": (640, 2048),
 }
-FORMATS = [PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16)]
+FORMATS = PACKED_FORMATS
 ROWS = (1, 4, 8, 16, 32, 64)
 
 

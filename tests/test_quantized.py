@@ -20,7 +20,13 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
-from maxkv.cpu.quantized import GGUF_TYPES, BlockQuantized, PackedFormat, from_gguf_blocks
+from maxkv.cpu.quantized import (
+    GGUF_TYPES,
+    PACKED_FORMATS,
+    BlockQuantized,
+    PackedFormat,
+    from_gguf_blocks,
+)
 from maxkv.models import load_model
 from maxkv.models.decoder import graph_weights, matrix_sources, quantized_formats
 from maxkv.models.gguf_file import read_gguf_quantized
@@ -209,8 +215,6 @@ def _linear_weights(
 
 
 _Build = Callable[[PackedFormat, int], tuple[Model, Model, np.ndarray]]
-#: Every layout of a quantized copy the kernel reads.
-_PACKED_FORMATS = [PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16)]
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +249,7 @@ def linear_models(session: InferenceSession, kernels: Path) -> _Build:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
-@pytest.mark.parametrize("fmt", _PACKED_FORMATS, ids=lambda f: f"{f.bits}bit_block{f.block}")
+@pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f"{f.bits}bit_block{f.block}")
 def test_quantized_matmul_is_bit_identical_to_float32(
     linear_models: _Build, fmt: PackedFormat, block_cols: int
 ) -> None:

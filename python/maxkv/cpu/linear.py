@@ -16,7 +16,7 @@ from max.graph import TensorType, TensorValue, ops
 from ..graph.checks import check_positive_int, check_tensor, static_dim
 from .arrays import aligned_zeros
 from .features import cpu_flags
-from .quantized import PackedFormat
+from .quantized import PACKED_FORMATS
 
 #: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
 PACKED_TILE = 64
@@ -129,7 +129,7 @@ def linear_packed(
         q, sm = quantized
         q_shape = tuple(static_dim("q", q, i) for i in range(3))
         sm_shape = tuple(static_dim("sm", sm, i) for i in range(4))
-        formats = [PackedFormat(8, 16), PackedFormat(8, 32), PackedFormat(4, 32)]
+        formats = PACKED_FORMATS
         if k == 0 or not any(
             k % f.block == 0 and (q_shape, sm_shape) == (f.q_shape(tiles, k), f.sm_shape(tiles, k))
             for f in formats

@@ -67,7 +67,7 @@ class PackedFormat(NamedTuple):
     @staticmethod
     def check(bits: int, block: int) -> PackedFormat:
         """The format, after checking it is one the kernel reads."""
-        if (bits, block) not in ((4, 32), (8, 32), (8, 16)):
+        if (bits, block) not in PACKED_FORMATS:
             raise ValueError(
                 f"the kernel reads 4-bit integers in blocks of 32 and 8-bit ones in blocks "
                 f"of 32 or 16, not {bits}-bit ones in blocks of {block}"
@@ -86,6 +86,10 @@ class PackedFormat(NamedTuple):
     def of(q_shape: Sequence[int], sm_shape: Sequence[int]) -> PackedFormat:
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
         return PackedFormat.check(int(q_shape[2]) * 8 // TILE, int(q_shape[1]) // int(sm_shape[1]))
+
+
+#: The formats the kernel reads (``mojo_ops/cpu/linear.mojo``).
+PACKED_FORMATS = (PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16))
 
 
 @dataclass(frozen=True)
@@ -217,19 +221,6 @@ def _exact_products(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
     return exact
 
 
-#: Bytes per block of each type: (weights, bytes), as ``gguf.GGML_QUANT_SIZES``.
-_SIZES = {
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q5_0": (32, 22),
-    "Q5_1": (32, 24),
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
-
-
 def _f16(raw: np.ndarray) -> np.ndarray:
     """Little-endian float16 values of the last axis's byte pairs, as float32."""
     return np.ascontiguousarray(raw).view("<f2").astype(np.float32)
@@ -280,8 +271,10 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
     """
     if type_name not in GGUF_TYPES:
         raise ValueError(f"cannot read {type_name} blocks (only {', '.join(GGUF_TYPES)})")
+    import gguf
+
     n, k = shape
-    per_block, size = _SIZES[type_name]
+    per_block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     if k % per_block:
         raise ValueError(f"K = {k} is not a multiple of {type_name}'s {per_block}")
     flat = np.asarray(blocks, dtype=np.uint8).reshape(-1)
