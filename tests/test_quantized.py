@@ -99,7 +99,7 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     config = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     weights = hf_weights(config, seed=8)
     kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K"}
-    kinds |= {"ffn_gate": "Q5_0", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q8_0"}
+    kinds |= {"ffn_gate": "Q5_0", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
     overrides = {f"blk.{i}.{t}.weight": kind for t, kind in kinds.items() for i in range(2)}
     overrides["output.weight"] = "Q8_0"
     path = tmp_path / "tiny-q4_k_m.gguf"
