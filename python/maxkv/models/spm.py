@@ -41,23 +41,22 @@ CONVERTER_VERSION = 3
 
 
 def bpe_merges(
-    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+    vocab: Mapping[str, int], scores: Sequence[float], types: Sequence[int]
 ) -> list[tuple[str, str]]:
-    """Every split of a normal piece into two pieces of the vocabulary, as a BPE merge,
-    ranked by the merged piece's score (highest first; ties by id).
+    """Every split of a normal piece of ``vocab`` (piece -> id) into two of its pieces,
+    as a BPE merge, ranked by the merged piece's score (highest first; ties by id).
 
     SentencePiece's BPE merges, among adjacent pairs whose concatenation is a
     piece, the one whose piece scores highest; a BPE that merges the lowest
     rank first does the same with these ranks.
     """
-    ids = {piece: i for i, piece in enumerate(tokens)}
     mergeable = (NORMAL, BYTE)
     ranked: list[tuple[float, int, str, str]] = []
-    for i, piece in enumerate(tokens):
+    for piece, i in vocab.items():
         if types[i] != NORMAL or len(piece) < 2:
             continue
         for cut in range(1, len(piece)):
-            left, right = ids.get(piece[:cut]), ids.get(piece[cut:])
+            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
             if (
                 left is not None
                 and right is not None
@@ -111,7 +110,7 @@ def gguf_sentencepiece_tokenizer(fields: Mapping[str, Any]) -> Any:
     unk = token("unknown")
     model = models.BPE(
         vocab=vocab,
-        merges=bpe_merges(tokens, scores, types),
+        merges=bpe_merges(vocab, scores, types),
         unk_token=unk,
         byte_fallback=BYTE in types,
         fuse_unk=False,
