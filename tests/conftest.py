@@ -15,7 +15,10 @@ Every test carries exactly one tier marker (checked at collection):
 A test that starts a real ``redis-server`` also carries the ``redis`` marker
 (not a tier); it skips, with the reason, where the binary is absent.
 
-``pytest -m unit`` is the fast tier; the README's command runs them all.
+``pytest -m unit`` is the fast tier; the README's command runs them all, in two
+pytest-xdist workers (``-n 2 --dist loadfile``: a file's tests, and so its
+module-scoped servers, stay in one worker; graph compiles use about 1.3 cores
+each, so two workers keep both cores of a small machine busy).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ def _has_gpu() -> bool:
     from max.driver import accelerator_count
 
     return bool(accelerator_count())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, a worker hands its counts to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["maxkv_reliability_counts"] = dict(RELIABILITY_COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller adds up what each worker counted."""
+    RELIABILITY_COUNTS.update(getattr(node, "workeroutput", {}).get("maxkv_reliability_counts", {}))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

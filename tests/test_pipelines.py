@@ -422,14 +422,38 @@ def _generate_with_format(directory: Path, encoding: str) -> subprocess.Complete
 LONG_PROMPT = ("the cache keeps what the window no longer sees; " * 4)[:160]
 
 
+#: The families ``max generate`` runs (a process and a compile each): the two cache
+#: layouts a family can add to the plain Llama of the tests above, a window over one
+#: group (Mistral) and a layer group per window (Gemma 3).  Every family's numerics
+#: are checked in-process (``test_families.py``) and its architecture's registration
+#: below; the pipeline code past those is the same for every family.
+GENERATE_FAMILIES = ("gemma3", "mistral")
+
+
+@pytest.mark.unit
+def test_every_family_is_registered_for_max_pipelines() -> None:
+    """The architecture transformers writes in each family's ``config.json`` is one
+    ``--custom-architectures maxkv.pipelines`` registers, so ``max generate`` and
+    ``max serve`` run it on maxkv."""
+    transformers = pytest.importorskip("transformers")
+    from maxkv.pipelines import ARCHITECTURES
+
+    names = {arch.name for arch in ARCHITECTURES}
+    causal_lm = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    for family, (model_type, _) in FAMILIES.items():
+        assert causal_lm[model_type] in names, family
+    assert set(GENERATE_FAMILIES) <= set(FAMILIES)
+
+
 @pytest.mark.serve
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", GENERATE_FAMILIES)
 def test_max_generate_runs_every_family_as_transformers_does(
     family: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``max generate`` through ``--custom-architectures maxkv.pipelines`` on each
-    family's random checkpoint (paged cache): transformers' greedy text, on a
-    prompt longer than the sliding families' window."""
+    """``max generate`` through ``--custom-architectures maxkv.pipelines`` on the
+    families with a cache layout of their own (:data:`GENERATE_FAMILIES`; random
+    checkpoints, paged cache): transformers' greedy text, on a prompt longer than
+    their window."""
     requires_transformers()
     from .pipeline_helpers import make_tiny_family_dir
 

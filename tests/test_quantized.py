@@ -10,6 +10,7 @@ bit for bit, plus NumPy's matmul.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -200,49 +201,88 @@ _N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
 
 
 def _linear_weights(
-    registry: dict[str, np.ndarray], quant: bool, device: DeviceRef
+    registry: dict[str, np.ndarray], prefix: str, quant: bool, made: dict[str, Weight]
 ) -> tuple[Weight, tuple[Weight, Weight] | None]:
-    """Graph weights for ``linear_packed``: the packed float32 ``w``, and with ``quant``
-    the quantized copy ``(q, sm)`` of ``registry``."""
-    w = Weight("w", DType.float32, registry["w"].shape, device)
-    if not quant:
-        return w, None
-    q, sm = registry["q"], registry["sm"]
-    return w, (
-        Weight("q", DType.uint8, q.shape, device),
-        Weight("sm", DType.float32, sm.shape, device),
-    )
+    """Graph weights for ``linear_packed``: the packed float32 ``{prefix}w``, and with
+    ``quant`` the quantized copy ``({prefix}q, {prefix}sm)`` of ``registry``; each
+    made once per graph (``made``)."""
+
+    def weight(name: str) -> Weight:
+        if name not in made:
+            array = registry[name]
+            dtype = DType.uint8 if array.dtype == np.uint8 else DType.float32
+            made[name] = Weight(name, dtype, array.shape, DeviceRef.CPU())
+        return made[name]
+
+    w = weight(f"{prefix}w")
+    return w, (weight(f"{prefix}q"), weight(f"{prefix}sm")) if quant else None
 
 
-_Build = Callable[[PackedFormat, int], tuple[Model, Model, np.ndarray]]
+@dataclass(frozen=True)
+class _LinearCase:
+    """One layout's matmul graph: outputs ``2 f, 2 f + 1`` are the float32 and the
+    quantized ``x @ w.T`` over format ``PACKED_FORMATS[f]``'s weight; then, over the
+    4-bit weight, ``residual + x @ w.T`` in the epilogue, float32 and quantized."""
+
+    model: Model
+    weights: dict[PackedFormat, np.ndarray]
+
+    def run(self, x: np.ndarray, residual: np.ndarray | None = None) -> list[np.ndarray]:
+        if residual is None:
+            residual = np.zeros((x.shape[0], _N), np.float32)
+        outputs = self.model.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))
+        return [o.to_numpy() for o in outputs]
+
+    def pair(self, fmt: PackedFormat, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(float32, quantized) ``x @ w.T`` over ``fmt``'s weight."""
+        f = PACKED_FORMATS.index(fmt)
+        out = self.run(x)
+        return out[2 * f], out[2 * f + 1]
 
 
 @pytest.fixture(scope="module")
-def linear_models(session: InferenceSession, kernels: Path) -> _Build:
-    """Per (copy format, block_cols): (float32 linear_packed, quantized linear_packed,
-    the weight)."""
-    built: dict[tuple[PackedFormat, int], tuple[Model, Model, np.ndarray]] = {}
+def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _LinearCase]:
+    """Per block_cols, one compiled graph of every copy format's matmuls (a graph
+    per case would cost a compile each)."""
+    built: dict[int, _LinearCase] = {}
     device = DeviceRef.CPU()
 
-    def build(fmt: PackedFormat, block_cols: int) -> tuple[Model, Model, np.ndarray]:
-        if (fmt, block_cols) not in built:
-            bits, block = fmt
-            copy = _random_copy(np.random.default_rng(bits + block), _N, _K, bits, block)
-            weight = copy.dequantize()
-            assert copy.exactly(weight)
-            q, sm = copy.pack()
-            registry = {"w": kvops.pack_linear_weight(weight, block_cols), "q": q, "sm": sm}
-            models = []
-            for quant in (False, True):
-                x_type = TensorType(DType.float32, ["m", _K], device)
-                name = f"lin_{bits}_{block}_{block_cols}_{quant}"
-                with Graph(name, input_types=[x_type], custom_extensions=[kernels]) as g:
-                    w, quantized = _linear_weights(registry, quant, device)
-                    g.output(kvops.linear_packed(g.inputs[0].tensor, w, _N, quantized))
-                used = registry if quant else {"w": registry["w"]}
-                models.append(session.load(g, weights_registry=used))
-            built[fmt, block_cols] = (models[0], models[1], weight)
-        return built[fmt, block_cols]
+    def build(block_cols: int) -> _LinearCase:
+        if block_cols not in built:
+            registry: dict[str, np.ndarray] = {}
+            weights: dict[PackedFormat, np.ndarray] = {}
+            for fmt in PACKED_FORMATS:
+                bits, block = fmt
+                copy = _random_copy(np.random.default_rng(bits + block), _N, _K, bits, block)
+                weight = copy.dequantize()
+                assert copy.exactly(weight)
+                q, sm = copy.pack()
+                prefix = f"f{bits}_{block}_"
+                registry |= {
+                    f"{prefix}w": kvops.pack_linear_weight(weight, block_cols),
+                    f"{prefix}q": q,
+                    f"{prefix}sm": sm,
+                }
+                weights[fmt] = weight
+            types = [
+                TensorType(DType.float32, ["m", _K], device),
+                TensorType(DType.float32, ["m", _N], device),
+            ]
+            with Graph(f"lin_{block_cols}", input_types=types, custom_extensions=[kernels]) as g:
+                x, residual = (v.tensor for v in g.inputs)
+                made: dict[str, Weight] = {}
+                outputs = []
+                for fmt in PACKED_FORMATS:
+                    prefix = f"f{fmt.bits}_{fmt.block}_"
+                    for quant in (False, True):
+                        w, quantized = _linear_weights(registry, prefix, quant, made)
+                        outputs.append(kvops.linear_packed(x, w, _N, quantized))
+                for quant in (False, True):  # the residual, over the 4-bit weight
+                    w, quantized = _linear_weights(registry, "f4_32_", quant, made)
+                    outputs.append(kvops.linear_packed(x, w, _N, quantized, residual=residual))
+                g.output(*outputs)
+            built[block_cols] = _LinearCase(session.load(g, weights_registry=registry), weights)
+        return built[block_cols]
 
     return build
 
@@ -251,18 +291,18 @@ def linear_models(session: InferenceSession, kernels: Path) -> _Build:
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f"{f.bits}bit_block{f.block}")
 def test_quantized_matmul_is_bit_identical_to_float32(
-    linear_models: _Build, fmt: PackedFormat, block_cols: int
+    linear_case: Callable[[int], _LinearCase], fmt: PackedFormat, block_cols: int
 ) -> None:
     """Every copy format, with both layouts (and register blocks) on any CPU: the
     host's own (AVX2's 16-column blocks or AVX-512's 64) and the other one."""
-    f32, quant, weight = linear_models(fmt, block_cols)
+    case = linear_case(block_cols)
+    weight = case.weights[fmt]
     rng = np.random.default_rng(10 + fmt.bits + fmt.block)
     # <= 8 rows read the quantized copy; the others cover every register-block split
     # (blocks of 4 rows with 64 columns, of 6 with 16)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
         x = rng.standard_normal((m, _K)).astype(np.float32)
-        expected = f32.execute(Buffer.from_numpy(x))[0].to_numpy()
-        got = quant.execute(Buffer.from_numpy(x))[0].to_numpy()
+        expected, got = case.pair(fmt, x)
         assert got.shape == (m, _N)
         np.testing.assert_array_equal(got, expected, err_msg=f"M={m}")
         reference = x.astype(np.float64) @ weight.T.astype(np.float64)
@@ -271,72 +311,33 @@ def test_quantized_matmul_is_bit_identical_to_float32(
 
 
 @pytest.mark.compile
-def test_the_matmul_layouts_agree_bit_for_bit(linear_models: _Build) -> None:
+def test_the_matmul_layouts_agree_bit_for_bit(linear_case: Callable[[int], _LinearCase]) -> None:
     """Each output is one fma per k in order, whatever the block: the layouts agree exactly."""
     fmt = PackedFormat(8, 32)
-    (f16, _, _), (f64, _, _) = linear_models(fmt, 16), linear_models(fmt, 64)
     x = np.random.default_rng(3).standard_normal((19, _K)).astype(np.float32)
-    np.testing.assert_array_equal(
-        f16.execute(Buffer.from_numpy(x))[0].to_numpy(),
-        f64.execute(Buffer.from_numpy(x))[0].to_numpy(),
-    )
-
-
-@pytest.fixture(scope="module")
-def residual_models(
-    session: InferenceSession, kernels: Path
-) -> Callable[[int], tuple[Model, Model, Model, np.ndarray]]:
-    """Per block_cols, over one weight with a 4-bit copy: (``x @ w.T``, ``residual + x @ w.T``,
-    the same over the quantized copy, the weight)."""
-    built: dict[int, tuple[Model, Model, Model, np.ndarray]] = {}
-    device = DeviceRef.CPU()
-
-    def build(block_cols: int) -> tuple[Model, Model, Model, np.ndarray]:
-        if block_cols not in built:
-            copy = _random_copy(np.random.default_rng(20 + block_cols), _N, _K, 4)
-            weight = copy.dequantize()
-            q, sm = copy.pack()
-            registry = {"w": kvops.pack_linear_weight(weight, block_cols), "q": q, "sm": sm}
-            models = []
-            for add, quant in ((False, False), (True, False), (True, True)):
-                types = [
-                    TensorType(DType.float32, ["m", _K], device),
-                    TensorType(DType.float32, ["m", _N], device),
-                ]
-                name = f"lin_add_{block_cols}_{add}_{quant}"
-                with Graph(name, input_types=types, custom_extensions=[kernels]) as g:
-                    x, residual = (v.tensor for v in g.inputs)
-                    w, quantized = _linear_weights(registry, quant, device)
-                    out = kvops.linear_packed(
-                        x, w, _N, quantized, residual=residual if add else None
-                    )
-                    g.output(out)
-                used = registry if quant else {"w": registry["w"]}
-                models.append(session.load(g, weights_registry=used))
-            built[block_cols] = (models[0], models[1], models[2], weight)
-        return built[block_cols]
-
-    return build
+    np.testing.assert_array_equal(linear_case(16).pair(fmt, x)[0], linear_case(64).pair(fmt, x)[0])
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
 def test_residual_is_added_in_the_epilogue(
-    residual_models: Callable[[int], tuple[Model, Model, Model, np.ndarray]], block_cols: int
+    linear_case: Callable[[int], _LinearCase], block_cols: int
 ) -> None:
     """``residual + x @ w.T`` equals the matmul's result plus the residual added by NumPy
     in float32, bit for bit, over the float32 and the quantized weights, for every
     register-block split and the partial last tile."""
-    plain, fused, fused_q, weight = residual_models(block_cols)
+    case = linear_case(block_cols)
+    fmt = PackedFormat(4, 32)
+    weight = case.weights[fmt]
     rng = np.random.default_rng(30 + block_cols)
     for m in (1, 3, 5, 8, 9, 13, 33):
         x = rng.standard_normal((m, _K)).astype(np.float32)
         residual = rng.standard_normal((m, _N)).astype(np.float32)
-        product = plain.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))[0].to_numpy()
+        out = case.run(x, residual)
+        product = case.pair(fmt, x)[0]
         reference = x.astype(np.float64) @ weight.T.astype(np.float64)
         assert np.all(np.abs(product - reference) <= 1e-5 * (np.abs(x) @ np.abs(weight).T))
-        for model in (fused, fused_q):
-            got = model.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))[0].to_numpy()
+        for got in out[-2:]:
             np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}")
 
 
