@@ -50,7 +50,7 @@ def test_blend_settings_come_from_the_environment() -> None:
     assert config == BlendConfig("<sep>", 0.3, (1, 3), 0, 2, "none")
     for env, match in [
         ({"MAXKV_BLEND": "maybe"}, "MAXKV_BLEND="),
-        ({"MAXKV_BLEND": "1", "MAXKV_BLEND_SEPARATOR": ""}, "SEPARATOR is empty"),
+        ({"MAXKV_BLEND": "1", "MAXKV_BLEND_SEPARATOR": ""}, "MAXKV_BLEND_SEPARATOR=''"),
         ({"MAXKV_BLEND": "1", "MAXKV_BLEND_RECOMPUTE_RATIO": "1.5"}, "RATIO"),
         ({"MAXKV_BLEND": "1", "MAXKV_BLEND_RECOMPUTE_RATIO": "x"}, "expected a number"),
         ({"MAXKV_BLEND": "1", "MAXKV_BLEND_CHECK_LAYERS": "a"}, "layer ids"),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import settings
+
 
 def cache_dir() -> Path:
     """maxkv's cache folder (not created here).
 
-    ``$MAXKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/maxkv``, else
-    ``~/.cache/maxkv``.
+    ``$MAXKV_CACHE_DIR`` if set (:data:`maxkv.settings.CACHE_DIR`), else
+    ``$XDG_CACHE_HOME/maxkv``, else ``~/.cache/maxkv``.
     """
-    configured = os.environ.get("MAXKV_CACHE_DIR")
+    configured = settings.CACHE_DIR.read()
     if configured:
         return Path(configured).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

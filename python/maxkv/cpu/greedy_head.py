@@ -7,13 +7,13 @@ AVX2, and float32 logits only for the tiles whose bounds cannot rule them out.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import numpy as np
 from max.dtype import DType
 from max.graph import TensorType, TensorValue, ops
 
+from .. import settings
 from ..graph.checks import check_positive_int, check_tensor, static_dim
 from .arrays import aligned
 from .features import cpu_flags
@@ -32,7 +32,7 @@ def greedy_head_layout() -> GreedyHeadLayout | None:
     and FMA (read from ``/proc/cpuinfo``, Linux); ``MAXKV_GREEDY_HEAD=0``
     turns the op off (models then compute every logit and take their argmax).
     """
-    if os.environ.get("MAXKV_GREEDY_HEAD", "1") == "0":
+    if not settings.GREEDY_HEAD.read():
         return None
     flags = cpu_flags()
     if "avx512_vnni" in flags:

@@ -34,13 +34,14 @@ import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from .auth import Keyring, secret_bytes
 from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
 from .disk import DiskTier
@@ -56,13 +57,11 @@ _GIB = 1 << 30
 _FRAMING_BYTES = 1 << 20
 
 #: The environment variables of the tiers' security (:meth:`TierConfig.from_env`).
-SECRET_ENV = "MAXKV_TIER_SECRET"
-SECRET_FILE_ENV = "MAXKV_TIER_SECRET_FILE"
-OLD_SECRETS_ENV = "MAXKV_TIER_OLD_SECRETS"
-INSECURE_ENV = "MAXKV_TIER_INSECURE"
-ENCRYPT_ENV = "MAXKV_TIER_ENCRYPT"
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+SECRET_ENV = settings.TIER_SECRET.name
+SECRET_FILE_ENV = settings.TIER_SECRET_FILE.name
+OLD_SECRETS_ENV = settings.TIER_OLD_SECRETS.name
+INSECURE_ENV = settings.TIER_INSECURE.name
+ENCRYPT_ENV = settings.TIER_ENCRYPT.name
 
 #: Warnings said once per process (the message is the key).
 _said: set[str] = set()
@@ -75,28 +74,6 @@ def _say_once(message: str, *args: object) -> None:
             return
         _said.add(message)
     logger.warning(message, *args)
-
-
-def _env_flag(env: dict[str, str], name: str) -> bool:
-    value = env.get(name, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be 1 or 0, got {value!r}")
-
-
-def _env_gib(env: dict[str, str], name: str, default: float) -> float:
-    value = env.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of GiB, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return number
 
 
 @dataclass(frozen=True)
@@ -203,7 +180,7 @@ class TierConfig:
         return Keyring(self.secret, self.old_secrets, encrypt=self.encrypt)
 
     @classmethod
-    def from_env(cls, model_id: str = "", environ: dict[str, str] | None = None) -> TierConfig:
+    def from_env(cls, model_id: str = "", environ: Mapping[str, str] | None = None) -> TierConfig:
         """The configuration ``max serve`` reads (defaults for unset variables):
 
         - ``MAXKV_HOST_TIER_GB`` (1; 0 turns the host tier off),
@@ -215,9 +192,9 @@ class TierConfig:
           ``MAXKV_TIER_INSECURE`` (0), ``MAXKV_TIER_ENCRYPT`` (0): see
           :attr:`secret`, :attr:`old_secrets`, :attr:`insecure`, :attr:`encrypt`.
         """
-        env = dict(os.environ if environ is None else environ)
-        secret: str | None = env.get(SECRET_ENV) or None
-        secret_file = env.get(SECRET_FILE_ENV) or None
+        env = environ  # None: os.environ
+        secret = settings.TIER_SECRET.read(env)
+        secret_file = settings.TIER_SECRET_FILE.read(env)
         if secret_file is not None:
             if secret is not None:
                 raise ValueError(f"set {SECRET_ENV} or {SECRET_FILE_ENV}, not both")
@@ -229,22 +206,18 @@ class TierConfig:
                 ) from None
             if secret is None:
                 raise ValueError(f"{SECRET_FILE_ENV}: {secret_file} is empty")
-        old = tuple(s.strip() for s in env.get(OLD_SECRETS_ENV, "").split(",") if s.strip())
-        host = _env_gib(env, "MAXKV_HOST_TIER_GB", 1)
-        disk = _env_gib(env, "MAXKV_DISK_TIER_GB", 16)
-        swap = _env_gib(env, "MAXKV_SWAP_GB", 4)
         return cls(
             model_id=model_id,
-            host_bytes=int(host * _GIB),
-            disk_dir=env.get("MAXKV_DISK_TIER_DIR") or None,
-            disk_bytes=int(disk * _GIB),
-            redis_url=env.get("MAXKV_REDIS_URL") or None,
-            redis_namespace=env.get("MAXKV_REDIS_NAMESPACE") or "maxkv",
-            swap_bytes=int(swap * _GIB),
+            host_bytes=int(settings.HOST_TIER_GB.read(env) * _GIB),
+            disk_dir=settings.DISK_TIER_DIR.read(env),
+            disk_bytes=int(settings.DISK_TIER_GB.read(env) * _GIB),
+            redis_url=settings.REDIS_URL.read(env),
+            redis_namespace=settings.REDIS_NAMESPACE.read(env),
+            swap_bytes=int(settings.SWAP_GB.read(env) * _GIB),
             secret=secret,
-            old_secrets=old,
-            insecure=_env_flag(env, INSECURE_ENV),
-            encrypt=_env_flag(env, ENCRYPT_ENV),
+            old_secrets=settings.TIER_OLD_SECRETS.read(env),
+            insecure=settings.TIER_INSECURE.read(env),
+            encrypt=settings.TIER_ENCRYPT.read(env),
         )
 
     @property

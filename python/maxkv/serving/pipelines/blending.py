@@ -45,7 +45,6 @@ import contextvars
 import dataclasses
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ import numpy as np
 from max.pipelines.context import TextContext
 from max.pipelines.context.exceptions import InputError
 
+from ... import settings
 from ...blend import BlendedPrefill, ChunkKVStore
 from ...blend.store import CacheBlendRetrieverTask, StoredKV
 from ...cache.paged import PagedKVCacheManager
@@ -64,37 +64,35 @@ from ...tiers.store import TierConfig
 logger = logging.getLogger("max.pipelines.maxkv")
 
 #: ``1`` turns blending on for a server (both of its processes read it).
-BLEND_ENV = "MAXKV_BLEND"
+BLEND_ENV = settings.BLEND.name
 #: What separates the prefix, the chunks and the suffix of a prompt.
-SEPARATOR_ENV = "MAXKV_BLEND_SEPARATOR"
+SEPARATOR_ENV = settings.BLEND_SEPARATOR.name
 #: LMCache's default ``blend_special_str``.
-DEFAULT_SEPARATOR = " # # "
+DEFAULT_SEPARATOR = settings.BLEND_SEPARATOR.default
 #: Share of each found chunk's tokens recomputed after the check layer (LMCache's
 #: ``blend_recompute_ratios``).
-RECOMPUTE_RATIO_ENV = "MAXKV_BLEND_RECOMPUTE_RATIO"
-DEFAULT_RECOMPUTE_RATIO = 0.15
+RECOMPUTE_RATIO_ENV = settings.BLEND_RECOMPUTE_RATIO.name
+DEFAULT_RECOMPUTE_RATIO = settings.BLEND_RECOMPUTE_RATIO.default
 #: Comma-separated layers where the deviation is measured (``blend_check_layers``).
-CHECK_LAYERS_ENV = "MAXKV_BLEND_CHECK_LAYERS"
-DEFAULT_CHECK_LAYERS = (1,)
+CHECK_LAYERS_ENV = settings.BLEND_CHECK_LAYERS.name
+DEFAULT_CHECK_LAYERS = settings.BLEND_CHECK_LAYERS.default
 #: Fewest found tokens that make a request blend (``blend_min_tokens``); below it
 #: the prompt is prefilled as usual (and its chunks stored).
-MIN_TOKENS_ENV = "MAXKV_BLEND_MIN_TOKENS"
-DEFAULT_MIN_TOKENS = 64
+MIN_TOKENS_ENV = settings.BLEND_MIN_TOKENS.name
+DEFAULT_MIN_TOKENS = settings.BLEND_MIN_TOKENS.default
 #: Most requests blended while one batch is built; the others wait for the next
 #: batch.  A blended prefill runs while MAX builds the batch, before the batch
 #: (and every decode row in it) runs: blending a burst of requests one or two
 #: per batch gives each its first token sooner than blending them all first.
-MAX_PER_BATCH_ENV = "MAXKV_BLEND_MAX_PER_BATCH"
-DEFAULT_MAX_PER_BATCH = 1
+MAX_PER_BATCH_ENV = settings.BLEND_MAX_PER_BATCH.name
+DEFAULT_MAX_PER_BATCH = settings.BLEND_MAX_PER_BATCH.default
 #: What a stored chunk's KV was computed after: ``request`` (default), the prefix
 #: and earlier chunks of the first request that used it, read back from its pages
 #: at no extra cost (as LMCache stores segments); ``none``, the chunk alone at
 #: positions 0.. when first seen (an extra prefill of the chunk), so that its KV
 #: depends on its own tokens only and no request's text shapes what another gets.
-CHUNK_CONTEXT_ENV = "MAXKV_BLEND_CHUNK_CONTEXT"
-CHUNK_CONTEXTS = ("request", "none")
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+CHUNK_CONTEXT_ENV = settings.BLEND_CHUNK_CONTEXT.name
+CHUNK_CONTEXTS = settings.BLEND_CHUNK_CONTEXTS
 
 
 @dataclass(frozen=True)
@@ -133,38 +131,15 @@ class BlendConfig:
         Raises:
             ValueError: For a value that is not one of the variable's.
         """
-        env = os.environ if environ is None else environ
-        flag = env.get(BLEND_ENV, "").strip().lower()
-        if flag not in _TRUE + _FALSE:
-            raise ValueError(f"{BLEND_ENV}={flag!r}: expected 1 or 0")
-        if flag in _FALSE:
+        if not settings.BLEND.read(environ):
             return None
-        separator = env.get(SEPARATOR_ENV)
-        ratio = env.get(RECOMPUTE_RATIO_ENV, "").strip()
-        layers = env.get(CHECK_LAYERS_ENV, "").strip()
-        minimum = env.get(MIN_TOKENS_ENV, "").strip()
-        per_batch = env.get(MAX_PER_BATCH_ENV, "").strip()
-        try:
-            recompute_ratio = float(ratio) if ratio else DEFAULT_RECOMPUTE_RATIO
-        except ValueError:
-            raise ValueError(f"{RECOMPUTE_RATIO_ENV}={ratio!r}: expected a number") from None
-        try:
-            check_layers = (
-                tuple(int(x) for x in layers.split(",")) if layers else DEFAULT_CHECK_LAYERS
-            )
-        except ValueError:
-            raise ValueError(f"{CHECK_LAYERS_ENV}={layers!r}: expected layer ids, as 1,3") from None
-        if minimum and not minimum.isdigit():
-            raise ValueError(f"{MIN_TOKENS_ENV}={minimum!r}: expected a number of tokens")
-        if per_batch and not per_batch.isdigit():
-            raise ValueError(f"{MAX_PER_BATCH_ENV}={per_batch!r}: expected 1 or more")
         return cls(
-            separator=DEFAULT_SEPARATOR if separator is None else separator,
-            recompute_ratio=recompute_ratio,
-            check_layers=check_layers,
-            min_tokens=int(minimum) if minimum else DEFAULT_MIN_TOKENS,
-            max_per_batch=int(per_batch) if per_batch else DEFAULT_MAX_PER_BATCH,
-            chunk_context=env.get(CHUNK_CONTEXT_ENV, "").strip().lower() or CHUNK_CONTEXTS[0],
+            separator=settings.BLEND_SEPARATOR.read(environ),
+            recompute_ratio=settings.BLEND_RECOMPUTE_RATIO.read(environ),
+            check_layers=settings.BLEND_CHECK_LAYERS.read(environ),
+            min_tokens=settings.BLEND_MIN_TOKENS.read(environ),
+            max_per_batch=settings.BLEND_MAX_PER_BATCH.read(environ),
+            chunk_context=settings.BLEND_CHUNK_CONTEXT.read(environ),
         )
 
 

@@ -58,7 +58,6 @@ slots) after it: a way to see cache use inside ``max serve``'s model worker.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -70,6 +69,7 @@ from max.pipelines.kv_cache.kv_connector import CompletedTransfer
 from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
 
+from ... import settings
 from ...cache.paged import PagedKVCacheManager
 from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
@@ -118,7 +118,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         #: Requests whose prompt is not all in the cache yet: id -> (salt, prompt).
         self._prefilling: dict[Any, tuple[str | None, list[int]]] = {}
         self._metrics = KVCacheMetrics()
-        self._event_log = os.environ.get("MAXKV_EVENT_LOG")
+        self._event_log = settings.EVENT_LOG.read()
 
     # ------------------------------------------------------------ lifecycle
 

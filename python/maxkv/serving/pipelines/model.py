@@ -32,7 +32,6 @@ import copy
 import hashlib
 import logging
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
+from ... import settings
 from ...cache.contiguous import ContinuousBatchingKVCacheManager
 from ...cache.hybrid import HybridKVCacheManager, layer_groups
 from ...cache.paged import PagedKVCacheManager
@@ -66,22 +66,22 @@ from .speculation import speculative_config
 logger = logging.getLogger("max.pipelines.maxkv")
 
 #: The environment variable that chooses maxkv's cache in MAX's pipelines.
-CACHE_ENV = "MAXKV_CACHE"
+CACHE_ENV = settings.CACHE.name
 #: Its values; the first is the default.
-CACHE_KINDS = ("paged", "contiguous")
+CACHE_KINDS = settings.CACHE_KINDS
 #: The environment variable that sets the tokens per page of the paged cache.
-PAGE_SIZE_ENV = "MAXKV_PAGE_SIZE"
+PAGE_SIZE_ENV = settings.PAGE_SIZE.name
 #: Tokens per page unless set (vLLM's default block size).
 DEFAULT_PAGE_SIZE = 16
 #: Attention sinks in ``max serve`` (StreamingLLM): every request's cache keeps
 #: its first :data:`ATTENTION_SINKS_ENV` tokens and its last this many tokens.
-SLIDING_WINDOW_ENV = "MAXKV_SLIDING_WINDOW"
+SLIDING_WINDOW_ENV = settings.SLIDING_WINDOW.name
 #: The sink tokens kept with :data:`SLIDING_WINDOW_ENV` (default 4, StreamingLLM's).
-ATTENTION_SINKS_ENV = "MAXKV_ATTENTION_SINKS"
-DEFAULT_ATTENTION_SINKS = 4
+ATTENTION_SINKS_ENV = settings.ATTENTION_SINKS.name
+DEFAULT_ATTENTION_SINKS = settings.ATTENTION_SINKS.default
 #: Set to ``1``: a model whose layers all slide keeps every page of a request
 #: until it ends, as maxkv did before it gave pages back (for comparisons).
-KEEP_WINDOW_PAGES_ENV = "MAXKV_KEEP_WINDOW_PAGES"
+KEEP_WINDOW_PAGES_ENV = settings.KEEP_WINDOW_PAGES.name
 #: ``--kv-cache-format`` values maxkv implements and MAX 26.7's own cache does not.
 MAXKV_ONLY_FORMATS = ("int8", "int4", "float16")
 #: MAX 26.7's default ``--kv-cache-page-size``.
@@ -136,10 +136,7 @@ def cache_kind() -> str:
     Raises:
         ValueError: If it names no kind of :data:`CACHE_KINDS`.
     """
-    kind = os.environ.get(CACHE_ENV, CACHE_KINDS[0]).strip().lower() or CACHE_KINDS[0]
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"{CACHE_ENV}={kind!r}: expected one of {', '.join(CACHE_KINDS)}")
-    return kind
+    return settings.CACHE.read()
 
 
 @dataclass(kw_only=True)
@@ -267,6 +264,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         #: CacheBlend of prompts with chunks (``MAXKV_BLEND``), or ``None``.
         self.blender = self._blender(config, weights, session, path)
         logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
+        for name in settings.unknown():
+            logger.warning("maxkv: %s is set but maxkv reads no such variable (a typo?)", name)
         if self.blender is not None:
             logger.info("maxkv: %s", self.blender.describe())
         if self.speculative is not None:
@@ -416,7 +415,7 @@ def checkpoint_path(pipeline_config: Any) -> Path:
 
 
 #: Names the weights for the KV tiers instead of :func:`model_identity`'s digest.
-MODEL_ID_ENV = "MAXKV_MODEL_ID"
+MODEL_ID_ENV = settings.MODEL_ID.name
 
 
 def model_identity(path: Path) -> str:
@@ -424,7 +423,7 @@ def model_identity(path: Path) -> str:
     reused: :data:`MODEL_ID_ENV` if set, else the checkpoint's name and a digest of
     every file's contents (weights, configuration, tokenizer), each file hashed once
     per size and modification time (remembered in maxkv's cache directory)."""
-    override = os.environ.get(MODEL_ID_ENV, "").strip()
+    override = settings.MODEL_ID.read()
     if override:
         return override
     root = path if path.is_dir() else path.parent
@@ -464,11 +463,9 @@ def tokens_per_page(kv_cache_page_size: int) -> int:
     Raises:
         ValueError: If :data:`PAGE_SIZE_ENV` is not a positive int.
     """
-    value = os.environ.get(PAGE_SIZE_ENV, "").strip()
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{PAGE_SIZE_ENV}={value!r}: expected a positive number of tokens")
-        return int(value)
+    page_size = settings.PAGE_SIZE.read()
+    if page_size is not None:
+        return page_size
     if kv_cache_page_size != MAX_DEFAULT_PAGE_SIZE:
         return kv_cache_page_size
     return DEFAULT_PAGE_SIZE
@@ -482,17 +479,13 @@ def streaming_window() -> tuple[int, int] | None:
         ValueError: If either is not a number of tokens (the window positive),
             or sinks are set without a window.
     """
-    window = os.environ.get(SLIDING_WINDOW_ENV, "").strip()
-    sinks = os.environ.get(ATTENTION_SINKS_ENV, "").strip()
-    if not window:
-        if sinks:
+    window = settings.SLIDING_WINDOW.read()
+    sinks = settings.ATTENTION_SINKS.read()
+    if window is None:
+        if settings.ATTENTION_SINKS.is_set():
             raise ValueError(f"{ATTENTION_SINKS_ENV} needs {SLIDING_WINDOW_ENV} (the window)")
         return None
-    if not window.isdigit() or int(window) < 1:
-        raise ValueError(f"{SLIDING_WINDOW_ENV}={window!r}: expected a positive number of tokens")
-    if sinks and not sinks.isdigit():
-        raise ValueError(f"{ATTENTION_SINKS_ENV}={sinks!r}: expected a number of tokens")
-    return int(window), int(sinks) if sinks else DEFAULT_ATTENTION_SINKS
+    return window, sinks
 
 
 def keep_window_pages() -> bool:
@@ -501,10 +494,7 @@ def keep_window_pages() -> bool:
     Raises:
         ValueError: If it is set to something other than ``0`` or ``1``.
     """
-    value = os.environ.get(KEEP_WINDOW_PAGES_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_WINDOW_PAGES_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return settings.KEEP_WINDOW_PAGES.read()
 
 
 def build_manager(

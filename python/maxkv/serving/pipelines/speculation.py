@@ -28,7 +28,6 @@ structured output, decode one token per step beside them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,39 +36,31 @@ import numpy as np
 import numpy.typing as npt
 from max.pipelines.speculative.utils import _SpeculativeDecodingMetrics
 
+from ... import settings
 from ..speculative import PromptLookup, SpeculationPolicy, SpeculativeConfig, accept_greedy
 
 #: ``ngram`` turns on prompt-lookup speculative decoding in MAX's pipelines.
-SPECULATIVE_ENV = "MAXKV_SPECULATIVE"
+SPECULATIVE_ENV = settings.SPECULATIVE.name
 #: The methods :data:`SPECULATIVE_ENV` takes.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = settings.SPECULATIVE_METHODS
 #: Most draft tokens per request per step, unless MAX passes ``--num-speculative-tokens``.
-NUM_SPECULATIVE_TOKENS_ENV = "MAXKV_NUM_SPECULATIVE_TOKENS"
+NUM_SPECULATIVE_TOKENS_ENV = settings.NUM_SPECULATIVE_TOKENS.name
 #: Shortest and longest n-gram matched (vLLM's ``prompt_lookup_min`` / ``_max``).
-PROMPT_LOOKUP_MIN_ENV = "MAXKV_PROMPT_LOOKUP_MIN"
-PROMPT_LOOKUP_MAX_ENV = "MAXKV_PROMPT_LOOKUP_MAX"
+PROMPT_LOOKUP_MIN_ENV = settings.PROMPT_LOOKUP_MIN.name
+PROMPT_LOOKUP_MAX_ENV = settings.PROMPT_LOOKUP_MAX.name
 #: ``0``: every request drafts ``num_speculative_tokens`` whenever a match is found
 #: (no cost model); default ``1``.
-SPECULATIVE_ADAPTIVE_ENV = "MAXKV_SPECULATIVE_ADAPTIVE"
+SPECULATIVE_ADAPTIVE_ENV = settings.SPECULATIVE_ADAPTIVE.name
 #: The cost model's ``row_cost`` (:class:`~maxkv.serving.speculative.SpeculationPolicy`).
-SPECULATIVE_ROW_COST_ENV = "MAXKV_SPECULATIVE_ROW_COST"
+SPECULATIVE_ROW_COST_ENV = settings.SPECULATIVE_ROW_COST.name
 #: What one more row adds to a ``max serve`` decode step, relative to a one-row
 #: step: 0.08-0.10 measured for SmolLM2-135M float32 on two CPU cores (a step of
 #: one row about 13.5 ms, each further row about 1.2 ms, drafted or not), where
 #: reading the float32 weights dominates a small step.
-SERVE_ROW_COST = 0.1
+SERVE_ROW_COST = settings.SPECULATIVE_ROW_COST.default
 #: Most rows (pending tokens and drafts) of a ``max serve`` decode step.
-SPECULATIVE_MAX_BATCH_TOKENS_ENV = "MAXKV_SPECULATIVE_MAX_BATCH_TOKENS"
-SERVE_MAX_BATCH_TOKENS = 64
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r}: expected a positive integer")
-    return int(value)
+SPECULATIVE_MAX_BATCH_TOKENS_ENV = settings.SPECULATIVE_MAX_BATCH_TOKENS.name
+SERVE_MAX_BATCH_TOKENS = settings.SPECULATIVE_MAX_BATCH_TOKENS.default
 
 
 def speculative_config(pipeline_config: Any = None) -> SpeculativeConfig | None:
@@ -86,34 +77,26 @@ def speculative_config(pipeline_config: Any = None) -> SpeculativeConfig | None:
             settings that are not positive integers (the message names the
             variable).
     """
-    method = os.environ.get(SPECULATIVE_ENV, "").strip().lower()
-    if method in ("", "off", "none", "0"):
+    if settings.SPECULATIVE.read() is None:
         return None
-    if method not in SPECULATIVE_METHODS:
-        raise ValueError(
-            f"{SPECULATIVE_ENV}={method!r}: maxkv speculates by prompt lookup: "
-            f"{', '.join(SPECULATIVE_METHODS)} (or unset)"
-        )
     defaults = SpeculativeConfig()
     max_speculative = getattr(pipeline_config, "speculative", None)
     from_max = getattr(max_speculative, "num_speculative_tokens", None)
-    k = from_max or _env_int(NUM_SPECULATIVE_TOKENS_ENV, defaults.num_speculative_tokens)
-    adaptive = os.environ.get(SPECULATIVE_ADAPTIVE_ENV, "").strip()
-    if adaptive not in ("", "0", "1"):
-        raise ValueError(f"{SPECULATIVE_ADAPTIVE_ENV}={adaptive!r}: expected 0 or 1")
-    row_cost = os.environ.get(SPECULATIVE_ROW_COST_ENV, "").strip()
-    try:
-        cost = float(row_cost) if row_cost else SERVE_ROW_COST
-    except ValueError:
-        raise ValueError(f"{SPECULATIVE_ROW_COST_ENV}={row_cost!r}: expected a number") from None
+    k = settings.NUM_SPECULATIVE_TOKENS.read()
+    k = from_max or (defaults.num_speculative_tokens if k is None else k)
+    lookup_min = settings.PROMPT_LOOKUP_MIN.read()
+    lookup_max = settings.PROMPT_LOOKUP_MAX.read()
+    adaptive = settings.SPECULATIVE_ADAPTIVE.read()
+    cost = settings.SPECULATIVE_ROW_COST.read()
     try:
         return SpeculativeConfig(
-            num_speculative_tokens=k,
-            prompt_lookup_min=_env_int(PROMPT_LOOKUP_MIN_ENV, defaults.prompt_lookup_min),
-            prompt_lookup_max=_env_int(PROMPT_LOOKUP_MAX_ENV, defaults.prompt_lookup_max),
-            adaptive=adaptive != "0",
+            num_speculative_tokens=from_max
+            or (defaults.num_speculative_tokens if k is None else k),
+            prompt_lookup_min=defaults.prompt_lookup_min if lookup_min is None else lookup_min,
+            prompt_lookup_max=defaults.prompt_lookup_max if lookup_max is None else lookup_max,
+            adaptive=adaptive,
             row_cost=cost,
-            max_batch_tokens=_env_int(SPECULATIVE_MAX_BATCH_TOKENS_ENV, SERVE_MAX_BATCH_TOKENS),
+            max_batch_tokens=settings.SPECULATIVE_MAX_BATCH_TOKENS.read(),
         )
     except ValueError as error:
         raise ValueError(f"{SPECULATIVE_ENV}: {error}") from None
