@@ -39,6 +39,7 @@ from max.pipelines.lib import TextTokenizer
 from max.pipelines.lib.tokenizer import PromptTooLongError, run_with_default_executor
 from starlette.requests import ClientDisconnect
 
+from ... import seams
 from .blending import (
     BlendConfig,
     blend_starts_var,
@@ -205,9 +206,7 @@ class MaxkvTextTokenizer(TextTokenizer):
 
 def refuse_unsupported_requests() -> None:
     """Makes the OpenAI routes refuse requests maxkv cannot serve (once per process)."""
-    from max.serve.router import openai_routes
-
-    parse = openai_routes._parse_openai_request_body
+    parse = seams.PARSE_OPENAI_REQUEST.resolve()
     if getattr(parse, "_maxkv_checked", False):
         return
 
@@ -223,4 +222,4 @@ def refuse_unsupported_requests() -> None:
         return request
 
     parse_and_check._maxkv_checked = True  # type: ignore[attr-defined]
-    openai_routes._parse_openai_request_body = parse_and_check
+    seams.PARSE_OPENAI_REQUEST.replace(parse_and_check)

@@ -10,8 +10,6 @@ maxkv's cache and graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,22 +24,13 @@ from max.pipelines.lib.pipeline_variants import text_generation
 from max.pipelines.lib.pipeline_variants.utils import update_context_and_prepare_responses
 from max.pipelines.modeling.types import PipelineTask
 
+from ... import seams
 from ...models.family import registered_architectures
 from .api import MaxkvTextTokenizer
 from .blending import MaxkvTextContext
 from .kv_adapter import MaxkvKVManager
 from .model import MaxkvArchConfig, MaxkvPipelineModel, accept_maxkv_formats, host_array
 from .speculation import ServeSpeculation, SpeculationMetrics, completes_stop_string
-
-
-@contextmanager
-def _replaced(module: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
@@ -65,7 +54,7 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
                 blender=model.blender,
             )
 
-        with _replaced(text_generation, "load_kv_manager", load_maxkv_manager):
+        with seams.LOAD_KV_MANAGER.replaced(load_maxkv_manager):
             super().__init__(*args, **kwargs)
         model = self._pipeline_model
         assert isinstance(model, MaxkvPipelineModel)
@@ -91,9 +80,7 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
         (batch,) = inputs.batches
         self._drafting = _DraftStep(spec.propose(batch, self._maxkv_adapter.room))
         try:
-            with _replaced(
-                text_generation, "update_context_and_prepare_responses", self._update_contexts
-            ):
+            with seams.UPDATE_CONTEXTS.replaced(self._update_contexts):
                 result = super()._execute(inputs)
         finally:
             self._drafting = None

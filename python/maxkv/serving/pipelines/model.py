@@ -47,7 +47,7 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
-from ... import settings
+from ... import seams, settings
 from ...cache.contiguous import ContinuousBatchingKVCacheManager
 from ...cache.hybrid import HybridKVCacheManager, layer_groups
 from ...cache.paged import PagedKVCacheManager
@@ -101,10 +101,9 @@ def accept_maxkv_formats() -> None:
     encodings it lacks (:func:`kv_cache_params`).  Called when MAX loads
     ``maxkv.pipelines`` as a custom architecture.
     """
-    from max.pipelines.kv_cache import config
-
+    formats = seams.KV_CACHE_FORMATS.resolve()
     for name in MAXKV_ONLY_FORMATS:
-        config._KV_CACHE_FORMAT_TO_DTYPE.setdefault(name, DType.float32)
+        formats.setdefault(name, DType.float32)
 
 
 class _ToMaxLog(logging.Handler):

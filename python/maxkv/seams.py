@@ -1,0 +1,165 @@
+"""Every name of MAX's that maxkv replaces, wraps, overrides or relies on privately.
+
+``maxkv.pipelines`` runs inside MAX's pipeline and server; where MAX offers no
+hook it changes a MAX name (replaced for a while, wrapped for the process,
+overridden in a subclass), and the graph side builds on MAX's opaque value
+types, which MAX names privately.  Each such name is a :class:`Seam` here, with
+what maxkv does there; the code that patches one reaches it through its seam,
+so a MAX upgrade starts with ``pytest tests/test_seams.py``: a seam MAX moved
+or renamed fails there by name instead of deep in a request.
+(:mod:`maxkv.serving.pipelines._compat` pins the MAX versions these were read from.)
+
+This module imports nothing of maxkv (or of MAX until a seam is resolved).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+#: How maxkv touches a seam.
+SeamUse = Literal["replaced", "wrapped", "overridden", "extended", "private"]
+
+
+class SeamMovedError(RuntimeError):
+    """A MAX name maxkv depends on is not where maxkv expects it."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One MAX name maxkv depends on beyond MAX's public API.
+
+    Args:
+        module: The MAX module that holds it.
+        name: The attribute, dotted for a class's (``Class.method``).
+        use: How maxkv touches it (:data:`SeamUse`).
+        why: What maxkv does there, and where.
+    """
+
+    module: str
+    name: str
+    use: SeamUse
+    why: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def owner(self) -> Any:
+        """The module or class that holds the name.
+
+        Raises:
+            SeamMovedError: If the module or class is gone.
+        """
+        try:
+            owner: Any = importlib.import_module(self.module)
+            for part in self.name.split(".")[:-1]:
+                owner = getattr(owner, part)
+        except (ImportError, AttributeError) as error:
+            raise SeamMovedError(self._moved(str(error))) from None
+        return owner
+
+    def resolve(self) -> Any:
+        """MAX's object behind the name.
+
+        Raises:
+            SeamMovedError: If MAX no longer has it there.
+        """
+        owner = self.owner()
+        attribute = self.name.rsplit(".", 1)[-1]
+        if not hasattr(owner, attribute):
+            raise SeamMovedError(self._moved(f"no attribute {attribute!r}"))
+        return getattr(owner, attribute)
+
+    @contextmanager
+    def replaced(self, value: Any) -> Iterator[None]:
+        """The name holds ``value`` inside the block, MAX's object again after it."""
+        owner, attribute = self.owner(), self.name.rsplit(".", 1)[-1]
+        original = self.resolve()
+        setattr(owner, attribute, value)
+        try:
+            yield
+        finally:
+            setattr(owner, attribute, original)
+
+    def replace(self, value: Any) -> None:
+        """The name holds ``value`` for the rest of the process."""
+        self.resolve()
+        setattr(self.owner(), self.name.rsplit(".", 1)[-1], value)
+
+    def _moved(self, detail: str) -> str:
+        return (
+            f"MAX moved {self.path}, which maxkv {self.use} ({self.why}): {detail}; "
+            "maxkv.pipelines supports the MAX versions in maxkv.serving.pipelines._compat"
+        )
+
+
+_TEXT_GENERATION = "max.pipelines.lib.pipeline_variants.text_generation"
+
+#: MAX's pipeline builds a paged manager right after the model; while
+#: ``MaxkvTextGenerationPipeline`` is constructed it builds maxkv's adapter instead.
+LOAD_KV_MANAGER = Seam(
+    _TEXT_GENERATION, "load_kv_manager", "replaced",
+    "MaxkvTextGenerationPipeline.__init__ hands back maxkv's KV manager",
+)  # fmt: skip
+#: During a step with drafts, the contexts' update appends the tokens the drafts confirm.
+UPDATE_CONTEXTS = Seam(
+    _TEXT_GENERATION, "update_context_and_prepare_responses", "replaced",
+    "MaxkvTextGenerationPipeline._execute confirms speculative drafts",
+)  # fmt: skip
+EXECUTE = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline._execute", "overridden",
+    "a step with prompt-lookup drafts runs MAX's step with the two seams above",
+)  # fmt: skip
+PREPARE_BATCH = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline.prepare_batch", "overridden",
+    "a step with drafts appends them to the batch's inputs",
+)  # fmt: skip
+LAUNCH_FORWARD_PASS = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline._launch_forward_pass", "overridden",
+    "keeps the head's rows of a step with drafts",
+)  # fmt: skip
+#: The server's request parser: maxkv checks each request before any work.
+PARSE_OPENAI_REQUEST = Seam(
+    "max.serve.router.openai_routes", "_parse_openai_request_body", "wrapped",
+    "api.refuse_unsupported_requests answers requests maxkv cannot serve with a 400",
+)  # fmt: skip
+#: ``--kv-cache-format`` values MAX's config accepts: maxkv adds its own encodings.
+KV_CACHE_FORMATS = Seam(
+    "max.pipelines.kv_cache.config", "_KV_CACHE_FORMAT_TO_DTYPE", "extended",
+    "model.accept_maxkv_formats adds int8, int4 and float16",
+)  # fmt: skip
+PREFIX_CACHE_HITS = Seam(
+    "max.pipelines.kv_cache.paged_kv_cache._common", "PrefixCacheHits", "private",
+    "the KV adapter reports prefix-cache hits in MAX's type",
+)  # fmt: skip
+OPAQUE_TYPE = Seam(
+    "max.graph.type", "_OpaqueType", "private",
+    "graph.types: the collections' graph type (MAX's type of a custom opaque value)",
+)  # fmt: skip
+OPAQUE_VALUE = Seam(
+    "max.graph.value", "_OpaqueValue", "private",
+    "graph.types: KVCacheCollection, the graph value maxkv's ops take",
+)  # fmt: skip
+SPECULATIVE_METRICS = Seam(
+    "max.pipelines.speculative.utils", "_SpeculativeDecodingMetrics", "private",
+    "speculation reports acceptance in MAX's metrics type",
+)  # fmt: skip
+
+#: Every seam.
+SEAMS: tuple[Seam, ...] = (
+    LOAD_KV_MANAGER,
+    UPDATE_CONTEXTS,
+    EXECUTE,
+    PREPARE_BATCH,
+    LAUNCH_FORWARD_PASS,
+    PARSE_OPENAI_REQUEST,
+    KV_CACHE_FORMATS,
+    PREFIX_CACHE_HITS,
+    OPAQUE_TYPE,
+    OPAQUE_VALUE,
+    SPECULATIVE_METRICS,
+)
