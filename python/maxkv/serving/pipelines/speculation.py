@@ -90,8 +90,7 @@ def speculative_config(pipeline_config: Any = None) -> SpeculativeConfig | None:
     cost = settings.SPECULATIVE_ROW_COST.read()
     try:
         return SpeculativeConfig(
-            num_speculative_tokens=from_max
-            or (defaults.num_speculative_tokens if k is None else k),
+            num_speculative_tokens=k,
             prompt_lookup_min=defaults.prompt_lookup_min if lookup_min is None else lookup_min,
             prompt_lookup_max=defaults.prompt_lookup_max if lookup_max is None else lookup_max,
             adaptive=adaptive,
