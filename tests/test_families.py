@@ -222,8 +222,19 @@ def _write_config(directory: Path, family: str, **changes: object) -> Path:
         ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("llama3", {"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
+        # MAX's graph compiler fails on such a head ("Failed to compile the model")
+        ("qwen3", {"head_dim": 24}, "head_dim 24 is not a multiple of 16"),
     ],
-    ids=["rope-type", "mlp-bias", "activation", "window", "softcap", "bidirectional", "arch"],
+    ids=[
+        "rope-type",
+        "mlp-bias",
+        "activation",
+        "window",
+        "softcap",
+        "bidirectional",
+        "arch",
+        "head-dim",
+    ],
 )
 def test_unsupported_settings_are_refused_by_name(
     tmp_path: Path, family: str, changes: dict[str, object], message: str

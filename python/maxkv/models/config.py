@@ -23,6 +23,10 @@ from .rope import RopeScaling, rope_table
 
 __all__ = ["ACTIVATIONS", "DecoderConfig", "LlamaConfig", "ModelLoadError", "Weights"]
 
+#: ``head_dim`` must be a multiple of this: MAX 26.7's graph compiler fails on the
+#: attention of other head sizes ("Failed to compile the model"; 24 and 40 tried on
+#: an AVX2 CPU), so a checkpoint with one is refused at load, by name.
+HEAD_DIM_MULTIPLE = 16
 #: The MLP activations: SwiGLU (``silu``) and GeGLU with tanh GELU (``gelu_tanh``).
 Activation = Literal["silu", "gelu_tanh"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
@@ -103,8 +107,11 @@ class DecoderConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.head_dim % HEAD_DIM_MULTIPLE:
+            raise ModelLoadError(
+                f"head_dim {self.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}: MAX's "
+                "attention kernels do not compile it (MAX's graph compiler fails on it)"
+            )
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(
                 f"activation {self.activation!r} is not supported (maxkv implements "
