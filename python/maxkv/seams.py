@@ -48,6 +48,11 @@ class Seam:
     def path(self) -> str:
         return f"{self.module}.{self.name}"
 
+    @property
+    def attribute(self) -> str:
+        """The last part of :attr:`name`: what the owner holds."""
+        return self.name.rsplit(".", 1)[-1]
+
     def owner(self) -> Any:
         """The module or class that holds the name.
 
@@ -69,26 +74,25 @@ class Seam:
             SeamMovedError: If MAX no longer has it there.
         """
         owner = self.owner()
-        attribute = self.name.rsplit(".", 1)[-1]
-        if not hasattr(owner, attribute):
-            raise SeamMovedError(self._moved(f"no attribute {attribute!r}"))
-        return getattr(owner, attribute)
+        if not hasattr(owner, self.attribute):
+            raise SeamMovedError(self._moved(f"no attribute {self.attribute!r}"))
+        return getattr(owner, self.attribute)
 
     @contextmanager
     def replaced(self, value: Any) -> Iterator[None]:
         """The name holds ``value`` inside the block, MAX's object again after it."""
-        owner, attribute = self.owner(), self.name.rsplit(".", 1)[-1]
         original = self.resolve()
-        setattr(owner, attribute, value)
+        owner = self.owner()
+        setattr(owner, self.attribute, value)
         try:
             yield
         finally:
-            setattr(owner, attribute, original)
+            setattr(owner, self.attribute, original)
 
     def replace(self, value: Any) -> None:
         """The name holds ``value`` for the rest of the process."""
         self.resolve()
-        setattr(self.owner(), self.name.rsplit(".", 1)[-1], value)
+        setattr(self.owner(), self.attribute, value)
 
     def _moved(self, detail: str) -> str:
         return (
