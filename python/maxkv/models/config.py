@@ -11,7 +11,7 @@ into one.  :func:`check_weights` validates a weight dict against it;
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -23,10 +23,11 @@ from .rope import RopeScaling, rope_table
 
 __all__ = ["ACTIVATIONS", "DecoderConfig", "LlamaConfig", "ModelLoadError", "Weights"]
 
-#: ``head_dim`` must be a multiple of this: MAX 26.7's graph compiler fails on the
-#: attention of other head sizes ("Failed to compile the model"; 24 and 40 tried on
-#: an AVX2 CPU), so a checkpoint with one is refused at load, by name.
-HEAD_DIM_MULTIPLE = 16
+#: The smallest ``head_dim`` a checkpoint may have.  Every ``head_dim`` must also be
+#: a power of two: MAX 26.7's graph compiler fails on the attention of other head
+#: sizes ("Failed to compile the model"; 24, 40 and 80 tried on an AVX2 CPU, where
+#: 8 to 256 compile), so a checkpoint with one is refused at load, by name.
+MIN_HEAD_DIM = 8
 #: The MLP activations: SwiGLU (``silu``) and GeGLU with tanh GELU (``gelu_tanh``).
 Activation = Literal["silu", "gelu_tanh"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
@@ -107,10 +108,10 @@ class DecoderConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if self.head_dim % HEAD_DIM_MULTIPLE:
+        if self.head_dim < MIN_HEAD_DIM or self.head_dim & (self.head_dim - 1):
             raise ModelLoadError(
-                f"head_dim {self.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}: MAX's "
-                "attention kernels do not compile it (MAX's graph compiler fails on it)"
+                f"head_dim {self.head_dim} is not a power of two of at least {MIN_HEAD_DIM}: "
+                "the attention kernels do not build for it (MAX's graph compiler fails on it)"
             )
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(
@@ -152,13 +153,13 @@ class DecoderConfig:
         or scales beyond a Llama's, no RoPE scaling, no window): the model that
         GGUF files, :func:`~maxkv.models.export.llama_config_json` and the NumPy
         reference describe."""
-        defaults = DecoderConfig(1, 1, 1, 1, 1, 1, 2)
         options = (
             "rope_scaling", "local_rope_theta", "qkv_bias", "o_bias", "qk_norm", "norm_offset",
             "sandwich_norms", "activation", "embed_scale", "query_scale", "layer_windows",
             "final_logit_softcap",
         )  # fmt: skip
-        return all(getattr(self, name) == getattr(defaults, name) for name in options)
+        defaults = {f.name: f.default for f in fields(DecoderConfig) if f.default is not MISSING}
+        return all(getattr(self, name) == defaults[name] for name in options)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or ``None`` (every token)."""
