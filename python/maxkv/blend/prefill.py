@@ -17,7 +17,6 @@ import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
-from ..cache.paged import PagedKVCacheManager
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import KVCacheInputs
 from ..models.config import DecoderConfig
@@ -129,8 +128,11 @@ class BlendedPrefill:
             )
         context = None
         if start:
-            if not isinstance(manager, PagedKVCacheManager):
-                raise ValueError("a blended prefill after cached tokens needs the paged cache")
+            if not manager.capabilities.blending:
+                raise ValueError(
+                    "a blended prefill after cached tokens reads them back: it needs a cache "
+                    f"with the 'blending' capability, which {type(manager).__name__} has not"
+                )
             context = manager.read_tokens(seq_id, 0, start).astype(np.float32)
         (inputs,) = manager.fetch([seq_id], active_lengths=[len(tokens) - start])
         kv = KVCacheInputs(*inputs)  # one cache of every layer (not a hybrid one)

@@ -47,7 +47,7 @@ from ..errors import ArgumentTypeError, CacheFullError
 from ..validation import require_int
 from .paged import UNUSED_PAGE, PagedKVCacheManager, _Prefix
 from .params import KVCacheParams
-from .protocol import CacheDevice, KVCacheManagerBase
+from .protocol import CacheCapabilities, CacheDevice, KVCacheManagerBase
 from .spec import CacheInputs, CacheSpec, HybridCacheSpec
 from .window import PageWindow
 
@@ -106,6 +106,10 @@ class HybridKVCacheManager(KVCacheManagerBase):
         ValueError: If a size is not positive, ``num_pages`` does not give
             one count per group, or the devices do not match ``params``.
     """
+
+    #: No capability beyond the protocol yet: its groups' pages have no tiers, no
+    #: swap, no attention sinks and no CacheBlend.
+    capabilities = CacheCapabilities()
 
     def __init__(
         self,

@@ -98,6 +98,7 @@ from .page_pool import PagePool
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
 from .protocol import (
+    CacheCapabilities,
     CacheDevice,
     KVCacheManagerBase,
     device_inputs,
@@ -218,6 +219,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             differs from ``params.n_devices``, or tiers are asked for without
             prefix caching.
     """
+
+    capabilities = CacheCapabilities(pages=True, swap=True, sinks=True, blending=True, tiers=True)
 
     def __init__(
         self,

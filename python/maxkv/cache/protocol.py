@@ -55,7 +55,8 @@ import threading
 import types
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 
 import numpy as np
 from max.driver import Buffer, Device
@@ -71,8 +72,10 @@ from .spec import CacheInputs, CacheSpec, HybridCacheSpec, KVCacheInputs, KVCach
 
 if TYPE_CHECKING:
     from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+    from .paged import SwappedSequence
 
 __all__ = [
+    "CacheCapabilities",
     "CacheDevice",
     "CacheFullError",
     "KVCacheInputSymbols",
@@ -109,6 +112,38 @@ class CacheDevice(Protocol):
         """Prepares the device work now (compiles graphs) rather than on first use."""
 
 
+@dataclass(frozen=True)
+class CacheCapabilities:
+    """What a manager offers beyond the step protocol.
+
+    The layers above the cache (schedulers, ``max serve``, CacheBlend) ask a
+    manager's :attr:`KVCacheManagerBase.capabilities`, never its class.  The
+    methods of a capability are declared on :class:`KVCacheManagerBase`; on a
+    manager without it they raise ``ValueError`` naming the capability.
+    """
+
+    #: Admission by pages: :attr:`~KVCacheManagerBase.free_pages` and
+    #: :meth:`~KVCacheManagerBase.pages_to_claim` (the scheduler's
+    #: ``preemption="recompute"``).
+    pages: bool = False
+    #: Preemption by swap: :meth:`~KVCacheManagerBase.swap_out`,
+    #: :meth:`~KVCacheManagerBase.swap_in`, :meth:`~KVCacheManagerBase.swap_in_pages`.
+    swap: bool = False
+    #: StreamingLLM attention sinks per sequence:
+    #: :meth:`~KVCacheManagerBase.enable_sliding_window`.
+    sinks: bool = False
+    #: CacheBlend: :meth:`~KVCacheManagerBase.read_tokens` and
+    #: :meth:`~KVCacheManagerBase.approximate_from` (KV reused from elsewhere,
+    #: never registered in the prefix cache).
+    blending: bool = False
+    #: KV tiers below the device (host memory, disk, Redis) behind prefix caching.
+    tiers: bool = False
+
+    def names(self) -> tuple[str, ...]:
+        """The capabilities it has, by name (for messages and ``describe``)."""
+        return tuple(name for name, on in vars(self).items() if on)
+
+
 class KVCacheManagerBase(ABC):
     """What every maxkv manager shares: ids, lengths, validation, the lock,
     the increment graph and the protocol's public methods.
@@ -117,6 +152,8 @@ class KVCacheManagerBase(ABC):
     hooks, each called with the lock held and after validation.
     """
 
+    #: What this kind of manager offers beyond the step protocol.
+    capabilities: ClassVar[CacheCapabilities] = CacheCapabilities()
     #: What an id stands for, in messages ("slots", "sequences").
     _id_noun = "sequences"
     #: The constructor argument that sizes the id space, in messages.
@@ -729,6 +766,60 @@ class KVCacheManagerBase(ABC):
         """Prepares the device work the protocol runs (increment, copies) now, not on
         first use: for timings and the first decode step."""
         self.cache_device.warm_up()
+
+    # ------------------------------------- capabilities (CacheCapabilities)
+    # Declared here so that the layers above type against this class; a manager
+    # with the capability overrides them.
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no sequence holds (capability ``pages``)."""
+        self._unsupported("pages", "free_pages")
+
+    def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
+        """Free pages a claim of ``prompt`` and its first step would take now
+        (capability ``pages``)."""
+        self._unsupported("pages", "pages_to_claim")
+
+    def swap_out(self, seq_id: int) -> SwappedSequence:
+        """Moves ``seq_id`` to host memory, between rounds (capability ``swap``)."""
+        self._unsupported("swap", "swap_out")
+
+    def swap_in_pages(self, swapped: SwappedSequence) -> int:
+        """Free pages :meth:`swap_in` would take now (capability ``swap``)."""
+        self._unsupported("swap", "swap_in_pages")
+
+    def swap_in(self, swapped: SwappedSequence) -> int:
+        """Continues a swapped-out sequence; returns its new id (capability ``swap``)."""
+        self._unsupported("swap", "swap_in")
+
+    def enable_sliding_window(self, seq_id: int, window: int, sink: int = 0) -> None:
+        """``seq_id`` keeps its first ``sink`` tokens and its last ``window``
+        (capability ``sinks``)."""
+        self._unsupported("sinks", "enable_sliding_window")
+
+    def read_tokens(self, seq_id: int, start: int, end: int) -> np.ndarray:
+        """A copy of the K and V of ``seq_id``'s tokens ``[start, end)`` (capability
+        ``blending``)."""
+        self._unsupported("blending", "read_tokens")
+
+    def approximate_from(self, seq_id: int, position: int) -> None:
+        """Marks ``seq_id``'s KV from ``position`` on as approximate (capability
+        ``blending``)."""
+        self._unsupported("blending", "approximate_from")
+
+    def approximate_position(self, seq_id: int) -> int | None:
+        """Where ``seq_id``'s approximate KV starts, or ``None``: always ``None``
+        without the ``blending`` capability."""
+        with self._lock:
+            self._validate_ids([seq_id], must_be_claimed=True)
+            return None
+
+    def _unsupported(self, capability: str, method: str) -> NoReturn:
+        have = ", ".join(self.capabilities.names()) or "none"
+        raise ValueError(
+            f"{type(self).__name__} has no {capability!r} capability ({method}); it has: {have}"
+        )
 
     # ----------------------------------------------------------- helpers
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer
 
-from ..cache.paged import PagedKVCacheManager, SwappedSequence
+from ..cache.paged import SwappedSequence
 from ..cache.prefix import common_prefix_length
 from ..cache.protocol import KVCacheManagerBase
 from ..errors import CacheFullError
@@ -229,8 +229,12 @@ class ContinuousBatchingScheduler:
             raise ValueError(
                 f"preemption must be 'wait', 'swap' or 'recompute', got {preemption!r}"
             )
-        if preemption != "wait" and not isinstance(manager, PagedKVCacheManager):
-            raise ValueError(f"preemption={preemption!r} needs a PagedKVCacheManager")
+        needs = {"wait": None, "swap": "swap", "recompute": "pages"}[preemption]
+        if needs is not None and not getattr(manager.capabilities, needs):
+            raise ValueError(
+                f"preemption={preemption!r} needs a cache with the {needs!r} capability "
+                f"(a PagedKVCacheManager), not {type(manager).__name__}"
+            )
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
                 f"max_batch_size and num_steps must be >= 1, got {max_batch_size}, {num_steps}"
@@ -453,7 +457,6 @@ class ContinuousBatchingScheduler:
         first (oldest first), then waiting ones, each when its prompt's pages are free
         beside one page per request already in the batch."""
         manager = self.manager
-        assert isinstance(manager, PagedKVCacheManager)
         room = self.max_batch_size - len(running)
         new: list[Request] = []
         while len(new) < room and self._swapped:
@@ -515,7 +518,6 @@ class ContinuousBatchingScheduler:
         if self.preemption == "wait":
             return batch
         manager = self.manager
-        assert isinstance(manager, PagedKVCacheManager)
         batch = list(batch)
         while len(batch) > 1:
             # The manager's own reservation decides (copy-on-write included); a

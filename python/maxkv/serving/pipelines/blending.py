@@ -57,7 +57,7 @@ from max.pipelines.context.exceptions import InputError
 from ... import settings
 from ...blend import BlendedPrefill, ChunkKVStore
 from ...blend.store import CacheBlendRetrieverTask, StoredKV
-from ...cache.paged import PagedKVCacheManager
+from ...cache.protocol import KVCacheManagerBase
 from ...models.config import DecoderConfig
 from ...tiers.store import TierConfig
 
@@ -254,7 +254,7 @@ class ServeBlender:
         session: Any,
         device: Any,
         tiers: TierConfig,
-        manager: PagedKVCacheManager,
+        manager: KVCacheManagerBase,
     ) -> None:
         for layer in settings.check_layers:
             if layer >= config.num_hidden_layers:
@@ -315,7 +315,7 @@ class ServeBlender:
                 return owners[key]
         return None
 
-    def begin(self, ctx: Any, manager: PagedKVCacheManager, seq: int, cached: int) -> int:
+    def begin(self, ctx: Any, manager: KVCacheManagerBase, seq: int, cached: int) -> int:
         """At a request's first ``alloc``, after its pages are reserved: blends its
         prompt up to the suffix into ``seq`` (which holds its ``cached`` prefix)
         when enough of its chunks are found, and records the chunks to store.
@@ -405,7 +405,7 @@ class ServeBlender:
         self,
         tokens: np.ndarray,
         found: list[tuple[int, int, StoredKV]],
-        manager: PagedKVCacheManager,
+        manager: KVCacheManagerBase,
         seq: int,
         cached: int,
     ) -> int:
@@ -425,7 +425,7 @@ class ServeBlender:
 
     # ------------------------------------------------------------- commit
 
-    def after_step(self, ctx: Any, manager: PagedKVCacheManager, seq: int) -> None:
+    def after_step(self, ctx: Any, manager: KVCacheManagerBase, seq: int) -> None:
         """Stores the request's chunks that were not found once its cache holds them."""
         with self._lock:
             pending = self._pending.get(ctx.request_id)

@@ -70,7 +70,6 @@ from max.pipelines.kv_cache.paged_kv_cache import InsufficientBlocksError
 from max.pipelines.kv_cache.paged_kv_cache._common import PrefixCacheHits
 
 from ... import settings
-from ...cache.paged import PagedKVCacheManager
 from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
@@ -101,10 +100,15 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         streaming: tuple[int, int] | None = None,
         blender: ServeBlender | None = None,
     ) -> None:
-        if streaming is not None and not isinstance(manager, PagedKVCacheManager):
-            raise ValueError("maxkv: attention sinks need the paged cache")
-        if blender is not None and not isinstance(manager, PagedKVCacheManager):
-            raise ValueError("maxkv: CacheBlend (MAXKV_BLEND) needs the paged cache")
+        if streaming is not None and not manager.capabilities.sinks:
+            raise ValueError(
+                f"maxkv: attention sinks need the paged cache, not {type(manager).__name__}"
+            )
+        if blender is not None and not manager.capabilities.blending:
+            raise ValueError(
+                f"maxkv: CacheBlend (MAXKV_BLEND) needs the paged cache, not "
+                f"{type(manager).__name__}"
+            )
         #: CacheBlend of requests with chunks (``MAXKV_BLEND``), or ``None``.
         self.blender = blender
         self.manager = manager
@@ -172,7 +176,6 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                         tokens.rewind_processing(cached)
                 raise InsufficientBlocksError(f"maxkv: {error}") from error
             if started and self.blender is not None:
-                assert isinstance(self.manager, PagedKVCacheManager)
                 blended = self.blender.begin(ctx, self.manager, seq, cached)
                 if blended:  # committed as a cached prefix is: the request skips them
                     ids = ctx.tokens.all[cached : cached + blended].tolist()
@@ -184,10 +187,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 self._committed[ctx.request_id] = self.manager.cache_lengths[seq]
                 if self.manager.prefix_caching and tokens.processed_length < tokens.prompt_length:
                     prompt = tokens.prompt.tolist()
-                    if isinstance(self.manager, PagedKVCacheManager):
-                        # Pages of blended KV are never cached: nobody waits for them.
-                        exact = self.manager.approximate_position(seq)
-                        prompt = prompt if exact is None else prompt[:exact]
+                    # Pages of blended KV are never cached: nobody waits for them.
+                    exact = self.manager.approximate_position(seq)
+                    prompt = prompt if exact is None else prompt[:exact]
                     self._prefilling[ctx.request_id] = (ctx.cache_salt, prompt)
                 ctx.cached_prefix_length = cached
                 self._metrics.cache_tokens += cached
@@ -222,7 +224,6 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         except CacheFullError as error:
             raise InsufficientBlocksError(f"maxkv: {error} (--max-batch-size)") from error
         if self.streaming is not None:
-            assert isinstance(self.manager, PagedKVCacheManager)
             self.manager.enable_sliding_window(seq, *self.streaming)
         if cached:
             ctx.tokens.skip_processing(cached)
@@ -316,7 +317,6 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             if end >= ctx.tokens.prompt_length:
                 self._prefilling.pop(ctx.request_id, None)
             if self.blender is not None:
-                assert isinstance(self.manager, PagedKVCacheManager)
                 self.blender.after_step(ctx, self.manager, seq)
 
     def release(self, ctx: Any) -> None:

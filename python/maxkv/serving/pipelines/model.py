@@ -295,10 +295,11 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         settings = BlendConfig.from_env()
         if settings is None:
             return None
-        if not isinstance(self.maxkv_manager, PagedKVCacheManager):
+        if not self.maxkv_manager.capabilities.blending:
             raise ValueError(
                 f"{BLEND_ENV}=1 needs maxkv's paged cache ({CACHE_ENV}=paged, the default) "
-                "for one model whose layers all attend to every token"
+                "for one model whose layers all attend to every token, not "
+                f"{type(self.maxkv_manager).__name__}"
             )
         if self.maxkv_manager.params.cache_dtype != DType.float32:
             raise ValueError(
@@ -628,7 +629,7 @@ def _hybrid_manager(
             f"{page_size} tokens, fewer than one --max-length {max_seq_len} sequence needs: "
             "lower --max-length, --max-batch-size or --max-batch-input-tokens"
         )
-    if tiers is not None and tiers.any_tier:
+    if tiers is not None and tiers.any_tier and not HybridKVCacheManager.capabilities.tiers:
         logger.info("maxkv: KV tiers are off: a hybrid cache (layer groups) has no tiers")
     return HybridKVCacheManager(
         params,
