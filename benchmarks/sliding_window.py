@@ -71,7 +71,7 @@ def decoder_config(name: str) -> Any:
     from family_models import SHAPES
     from transformers import AutoConfig
 
-    from maxkv.models.family import family_for
+    from maxkv.models.registry import family_for
 
     model_type, fields = SHAPES[name]
     hf = AutoConfig.for_model(model_type, **fields).to_dict()

@@ -96,7 +96,7 @@ def test_families_with_a_bias_or_qk_norms_build_gpu_graphs_from_max_kernels(
     """A QKV bias or q/k norms sit between the projection and the cache: on a GPU
     the graph projects with MAX's matmul, stores K and V with ``store_kv_ragged``
     (GPU-capable) and rotates with MAX's RoPE, never a CPU-only op."""
-    from maxkv.models.family import registered_architectures
+    from maxkv.models.registry import registered_architectures
 
     read = next(f.read_hf for f in registered_architectures().values() if f.name == family)
     config = read(hf_family_config(family))

@@ -74,8 +74,8 @@ from maxkv.models.decoder import (
     vector_sources,
 )
 from maxkv.models.export import llama_config_json
-from maxkv.models.family import family_for
 from maxkv.models.reference import greedy_reference
+from maxkv.models.registry import family_for
 
 from .attention import (
     AttentionShape,

@@ -13,11 +13,13 @@ and references.
 :class:`DecoderConfig`, :class:`DecoderModel` and :func:`load_model`.
 """
 
+from . import families  # noqa: F401 (registers the families maxkv ships)
 from .config import DecoderConfig, LlamaConfig, ModelLoadError, default_llama
 from .decoder import DecoderModel, LlamaModel
-from .family import Family, family_for, register_family, registered_architectures
+from .family import Family
 from .fetch import KNOWN_MODELS, ModelFetchError, fetch
 from .loading import load_llama, load_model
+from .registry import family_for, register_family, registered_architectures
 from .rope import ROPE_TYPES, RopeScaling
 from .tokenizer import ChatTokenizer, load_tokenizer
 

@@ -19,6 +19,7 @@ import numpy as np
 from ..cache.rotation import KeyRotation
 from ..graph.ops import check_window
 from .errors import ModelLoadError
+from .registry import family_for
 from .rope import RopeScaling, rope_table
 
 __all__ = ["ACTIVATIONS", "DecoderConfig", "LlamaConfig", "ModelLoadError", "Weights"]
@@ -144,8 +145,6 @@ class DecoderConfig:
             ModelLoadError: If no family is registered for it, or it sets
                 something maxkv does not implement (naming it).
         """
-        from .family import family_for
-
         return family_for(config).read(config)
 
     def is_plain_llama(self) -> bool:

@@ -7,7 +7,7 @@ own config class, so defaults, legacy keys and ``layer_types`` mean what
 they mean to transformers) into the options of maxkv's shared decoder
 blocks.  Whatever a checkpoint sets that the blocks do not implement is
 refused by name (:func:`refuse`), in the library and in ``max serve``: a
-model never runs wrong.  :func:`register_family` adds one; the families
+model never runs wrong.  :func:`~maxkv.models.registry.register_family` adds one; the families
 maxkv ships are registered in :mod:`maxkv.models.families`.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from .config import DecoderConfig
 from .errors import ModelLoadError
+from .registry import registered_architectures
 from .rope import RopeScaling
 
 #: A Llama layer's tensors in llama.cpp's GGUF names (after ``blk.N.``) -> Hugging
@@ -99,53 +100,9 @@ class Family:
         return self.read_hf(hf_config(raw))
 
 
-_FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Registers ``family`` under each of its ``architectures`` names; returns it.
-
-    Raises:
-        ValueError: If one of them is registered to another family.
-    """
-    for name in family.architectures:
-        other = _FAMILIES.get(name)
-        if other is not None and other != family:
-            raise ValueError(f"{name} is already registered to the {other.name} family")
-    for name in family.architectures:
-        _FAMILIES[name] = family
-    return family
-
-
-def registered_architectures() -> dict[str, Family]:
-    """Every registered Hugging Face architecture name -> its family."""
-    from . import families  # noqa: F401  (registers maxkv's own)
-
-    return dict(_FAMILIES)
-
-
 def gguf_families() -> dict[str, Family]:
     """transformers' ``model_type`` -> the registered family whose GGUF files use it."""
     return {f.gguf.model_type: f for f in registered_architectures().values() if f.gguf is not None}
-
-
-def family_for(raw: Mapping[str, Any]) -> Family:
-    """The family of a ``config.json`` dict, by its ``architectures`` names.
-
-    Raises:
-        ModelLoadError: If it names no registered architecture.
-    """
-    known = registered_architectures()
-    names = raw.get("architectures") or []
-    if not isinstance(names, list):
-        raise ModelLoadError(f"config.json architectures must be a list, got {names!r}")
-    for name in names:
-        if name in known:
-            return known[name]
-    found = names or raw.get("model_type")
-    raise ModelLoadError(
-        f"unsupported architecture {found!r}: maxkv runs {', '.join(sorted(known))}"
-    )
 
 
 def hf_config(raw: Mapping[str, Any]) -> Any:

@@ -25,7 +25,7 @@ from max.pipelines.lib.pipeline_variants.utils import update_context_and_prepare
 from max.pipelines.modeling.types import PipelineTask
 
 from ... import seams
-from ...models.family import registered_architectures
+from ...models.registry import registered_architectures
 from .api import MaxkvTextTokenizer
 from .blending import MaxkvTextContext
 from .kv_adapter import MaxkvKVManager
