@@ -16,7 +16,7 @@ from max.dtype import DType
 
 from maxkv import CacheFullError, HybridKVCacheManager, KVCacheParams
 from maxkv.cache.hybrid import layer_groups
-from maxkv.cache.paged import UNUSED_PAGE
+from maxkv.cache.paged import UNUSED_PAGE, SwappedSequence
 from maxkv.errors import ArgumentTypeError
 
 from .conftest import RELIABILITY_COUNTS
@@ -210,15 +210,18 @@ def test_plan_pages_gives_the_windows_what_they_need_and_the_rest_to_full_attent
 
 
 class HybridMachine(RuleBasedStateMachine):
-    """claim (with and without a cached prefix), steps, fork, pop_n and release on a
-    hybrid cache; the model is each live sequence's tokens.  Every position each
-    group's layers may still attend to reads back through that group's pages,
-    nothing else is held, and reference counts and free pages agree."""
+    """claim (with and without a cached prefix), steps, fork, pop_n, swap out and in,
+    and release on a hybrid cache; the model is each live sequence's tokens.  Every
+    position each group's layers may still attend to reads back through that
+    group's pages (after a swap-in too), nothing else is held, and reference counts
+    and free pages agree."""
 
     def __init__(self) -> None:
         super().__init__()
         self.m = hybrid(pages=(10, 14), enable_prefix_caching=True)
         self.tokens: dict[int, list[int]] = {}
+        #: Sequences swapped out, with their tokens.
+        self.swapped: list[tuple[SwappedSequence, list[int]]] = []
         RELIABILITY_COUNTS["hybrid machine: examples"] += 1
 
     def state(self) -> object:
@@ -293,6 +296,34 @@ class HybridMachine(RuleBasedStateMachine):
         self.m.release(seq)
         del self.tokens[seq]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        swapped = self.m.swap_out(seq)
+        assert len(swapped.groups) == len(self.m.groups)
+        assert swapped.length == len(self.tokens[seq])
+        self.swapped.append((swapped, self.tokens.pop(seq)))
+        assert not self.m.contains(seq)
+        RELIABILITY_COUNTS["hybrid machine: swapped out"] += 1
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(0, len(self.swapped) - 1))
+        swapped, tokens = self.swapped[index]
+        before = self.state()
+        try:
+            seq = self.m.swap_in(swapped)
+        except CacheFullError:
+            assert self.state() == before
+            RELIABILITY_COUNTS["hybrid machine: swap in refused"] += 1
+            return
+        del self.swapped[index]
+        self.tokens[seq] = tokens
+        self.refused(self.m.swap_in, swapped)  # once only
+        RELIABILITY_COUNTS["hybrid machine: swapped in"] += 1
+
     @invariant()
     def groups_hold_what_their_layers_attend_to(self) -> None:
         m = self.m
@@ -313,6 +344,7 @@ class HybridMachine(RuleBasedStateMachine):
             for g, values in enumerate(visible(m, seq)):
                 first = m.groups[g].window.first_needed_position(len(tokens))
                 assert values == [prefix_value(tokens[: t + 1]) for t in range(first, len(tokens))]
+        assert m.swapped_bytes == sum(s.nbytes for s, _ in self.swapped)
         RELIABILITY_COUNTS["hybrid machine: steps"] += 1
 
 

@@ -29,8 +29,10 @@ group, and a step that one group cannot take changes none:
    back), or frees.
 
 Between rounds ``fork`` and ``pop_n`` apply to every group, refused in all
-if one group's window would reach a page it gave back.  KV tiers and swap
-are not offered on a hybrid cache.
+if one group's window would reach a page it gave back; ``swap_out`` copies
+every group's live pages to host memory and ``swap_in`` writes them back
+under one new id, in every group or in none.  KV tiers, attention sinks and
+CacheBlend are not offered on a hybrid cache yet.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from max.driver import Device
 from max.engine import InferenceSession
 
 from ..errors import ArgumentTypeError, CacheFullError
+from ..tiers.store import TierConfig
 from ..validation import require_int
-from .paged import UNUSED_PAGE, PagedKVCacheManager, _Prefix
+from .paged import UNUSED_PAGE, PagedKVCacheManager, SwappedSequence, _Prefix
 from .params import KVCacheParams
 from .protocol import CacheCapabilities, CacheDevice, KVCacheManagerBase
 from .spec import CacheInputs, CacheSpec, HybridCacheSpec
@@ -100,6 +103,8 @@ class HybridKVCacheManager(KVCacheManagerBase):
             only with a ``cache_device``).
         enable_prefix_caching: Prefix caching by page sharing, in every group.
         cache_device: The device work of every group; default MAX's.
+        swap_bytes: Host memory each group's pages may take while swapped out
+            (:meth:`swap_out`); default ``TierConfig``'s.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -107,9 +112,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
             one count per group, or the devices do not match ``params``.
     """
 
-    #: No capability beyond the protocol yet: its groups' pages have no tiers, no
-    #: swap, no attention sinks and no CacheBlend.
-    capabilities = CacheCapabilities()
+    #: Admission by pages and swap, in every group; no tiers, attention sinks or
+    #: CacheBlend yet.
+    capabilities = CacheCapabilities(pages=True, swap=True)
 
     def __init__(
         self,
@@ -124,8 +129,10 @@ class HybridKVCacheManager(KVCacheManagerBase):
         *,
         enable_prefix_caching: bool = False,
         cache_device: CacheDevice | None = None,
+        swap_bytes: int | None = None,
     ) -> None:
         windows, layers = layer_groups(layer_windows)
+        tiers = None if swap_bytes is None else TierConfig(swap_bytes=swap_bytes)
         if isinstance(num_pages, (str, bytes)) or not isinstance(num_pages, Sequence):
             raise ArgumentTypeError(
                 f"num_pages must be a sequence of ints, got {type(num_pages).__name__}"
@@ -150,6 +157,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
                 enable_prefix_caching=enable_prefix_caching,
                 cache_device=cache_device,
                 sliding_window=window,
+                tiers=tiers,
             )
             for window, pages, count in zip(windows, num_pages, counts, strict=True)
         ]
@@ -319,6 +327,82 @@ class HybridKVCacheManager(KVCacheManagerBase):
             f"hybrid paged cache, pages of {self.page_size} tokens: {groups} "
             f"({self.nbytes() / 2**20:.1f} MiB, {self.params.encoding} KV), {prefix}"
         )
+
+    def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
+        """Free pages of every group together a claim of ``prompt`` and a first step
+        over it would take now (each group's count; the step's ``reserve`` decides)."""
+        with self._lock:
+            return sum(group.pages_to_claim(prompt, salt=salt) for group in self.groups)
+
+    # -------------------------------------------------------------- swap
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Host memory held by sequences swapped out and not swapped in yet."""
+        with self._lock:
+            return sum(group.swapped_bytes for group in self.groups)
+
+    def swap_out(self, seq_id: int) -> SwappedSequence:
+        """Preemption by swap, between rounds: every group's live pages of ``seq_id``
+        go to host memory and ``seq_id`` is released (see
+        :meth:`PagedKVCacheManager.swap_out`).
+
+        Raises:
+            ValueError: If ``seq_id`` is not claimed or the cache is not in host memory.
+            CacheFullError: If a group's swap space cannot take it (nothing changes).
+        """
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            parts: list[SwappedSequence] = []
+            try:
+                for group in self.groups:
+                    parts.append(group._swap_capture(seq))
+            except CacheFullError:
+                for group, part in zip(self.groups, parts, strict=False):
+                    del group._swapped[part.number]
+                raise
+            length = self._lengths[seq]
+            empty = np.zeros((0,), np.float32)
+            self.release(seq)
+            return SwappedSequence(length=length, blocks=empty, groups=tuple(parts))
+
+    def swap_in_pages(self, swapped: SwappedSequence) -> int:
+        """Free pages of every group together :meth:`swap_in` would take now."""
+        with self._lock:
+            self._check_swapped(swapped)
+            return sum(
+                g.swap_in_pages(part) for g, part in zip(self.groups, swapped.groups, strict=True)
+            )
+
+    def swap_in(self, swapped: SwappedSequence) -> int:
+        """Continues a sequence :meth:`swap_out` moved to host memory, in every group
+        under one new id; returns it.
+
+        Raises:
+            ValueError: If ``swapped`` is not one of this cache's, waiting.
+            CacheFullError: If no id is free or a group's pages do not fit (nothing
+                changes; ``swapped`` stays valid).
+        """
+        with self._lock:
+            self._check_swapped(swapped)
+            plans = [
+                g._swap_in_check(part) for g, part in zip(self.groups, swapped.groups, strict=True)
+            ]
+            (seq,) = self._storage_claim(1)
+            for group, part, plan in zip(self.groups, swapped.groups, plans, strict=True):
+                group._swap_in_apply(seq, part, plan)
+            return seq
+
+    def _check_swapped(self, swapped: SwappedSequence) -> None:
+        if not isinstance(swapped, SwappedSequence):
+            raise ArgumentTypeError(
+                f"swapped must be a SwappedSequence, got {type(swapped).__name__}"
+            )
+        if len(swapped.groups) != len(self.groups):
+            raise ValueError(
+                "this sequence was swapped out of another manager (not one with "
+                f"{len(self.groups)} layer groups)"
+            )
 
     # --------------------------------------------------- prefix caching
 

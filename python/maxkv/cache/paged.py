@@ -143,12 +143,15 @@ class SwappedSequence:
     stream: _Stream | None = None
     #: Its KV is approximate from this position (:meth:`PagedKVCacheManager.approximate_from`).
     approximate_from: int | None = None
+    #: A :class:`~maxkv.HybridKVCacheManager`'s: one per layer group (each with its
+    #: pages and record); its own ``blocks`` are then empty.
+    groups: tuple[SwappedSequence, ...] = field(default=(), repr=False)
     number: int = field(default_factory=lambda: next(_swap_numbers))
 
     @property
     def nbytes(self) -> int:
         """Host memory it takes."""
-        return int(self.blocks.nbytes)
+        return int(self.blocks.nbytes) + sum(group.nbytes for group in self.groups)
 
 
 @dataclass
@@ -754,37 +757,44 @@ class PagedKVCacheManager(KVCacheManagerBase):
             CacheFullError: If the swap space (``TierConfig.swap_bytes``)
                 cannot take it (nothing changes).
         """
-        from ..tiers.connector import PageBuffers
-
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            io = PageBuffers(self._pages)
-            gone = self._given_back[seq]
-            held = self._page_lists[seq][gone:]
-            nbytes = len(held) * io.page_nbytes
-            budget = self._tier_config.swap_bytes
-            if self.swapped_bytes + nbytes > budget:
-                raise CacheFullError(
-                    f"swap space full: seq_id {seq} needs {nbytes} bytes, "
-                    f"{budget - self.swapped_bytes} of {budget} are free"
-                )
-            if held:
-                blocks = io.read_pages(held)
-            else:
-                blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
-            swapped = SwappedSequence(
-                length=self._lengths[seq],
-                blocks=blocks,
-                tokens=list(self._tokens[seq]) if self._prefix_caching else None,
-                salt=self._salts.get(seq),
-                hashes=list(self._hashes.get(seq, [])),
-                first_page=gone,
-                stream=replace(self._streams[seq]) if seq in self._streams else None,
-                approximate_from=self._approximate.get(seq),
-            )
-            self._swapped[swapped.number] = nbytes
+            swapped = self._swap_capture(seq)
             self.release(seq)
             return swapped
+
+    def _swap_capture(self, seq: int) -> SwappedSequence:
+        """:meth:`swap_out` less the release: ``seq``'s pages copied to host memory
+        and its record frozen, the swap space taken (``CacheFullError`` if it
+        cannot, nothing changed)."""
+        from ..tiers.connector import PageBuffers
+
+        io = PageBuffers(self._pages)
+        gone = self._given_back[seq]
+        held = self._page_lists[seq][gone:]
+        nbytes = len(held) * io.page_nbytes
+        budget = self._tier_config.swap_bytes
+        if self.swapped_bytes + nbytes > budget:
+            raise CacheFullError(
+                f"swap space full: seq_id {seq} needs {nbytes} bytes, "
+                f"{budget - self.swapped_bytes} of {budget} are free"
+            )
+        if held:
+            blocks = io.read_pages(held)
+        else:
+            blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
+        swapped = SwappedSequence(
+            length=self._lengths[seq],
+            blocks=blocks,
+            tokens=list(self._tokens[seq]) if self._prefix_caching else None,
+            salt=self._salts.get(seq),
+            hashes=list(self._hashes.get(seq, [])),
+            first_page=gone,
+            stream=replace(self._streams[seq]) if seq in self._streams else None,
+            approximate_from=self._approximate.get(seq),
+        )
+        self._swapped[swapped.number] = nbytes
+        return swapped
 
     def swap_in_pages(self, swapped: SwappedSequence) -> int:
         """Free pages :meth:`swap_in` would take now: its pages the device no longer
@@ -816,55 +826,66 @@ class PagedKVCacheManager(KVCacheManagerBase):
             CacheFullError: If no sequence id or not enough pages are free
                 (nothing changes; ``swapped`` stays valid).
         """
+        with self._lock:
+            cached = self._swap_in_check(swapped)
+            (seq,) = self._storage_claim(1)
+            self._swap_in_apply(seq, swapped, cached)
+            return seq
+
+    def _swap_in_check(self, swapped: SwappedSequence) -> list[int | None]:
+        """:meth:`swap_in`'s checks, before any change: per page of ``swapped``, the
+        device page still registered under its hash (``None``: written back).
+
+        Raises:
+            ValueError: If ``swapped`` is not one of this cache's, waiting.
+            CacheFullError: If no sequence id is free or its pages do not fit now.
+        """
+        if swapped.groups or swapped.number not in self._swapped:
+            raise ValueError("this sequence was swapped in already, or by another manager")
+        if self._free_ids() == 0:
+            raise CacheFullError("no free sequence id to swap in to")
+        cached = self._swap_in_hits(swapped)
+        new = cached.count(None)
+        available = self._pool.free_count - self._free_hits(cached)
+        if new > available:
+            raise CacheFullError(
+                f"swap in needs {new} new pages of {self.page_size} tokens, {available} are free"
+            )
+        return cached
+
+    def _swap_in_apply(self, seq: int, swapped: SwappedSequence, cached: list[int | None]) -> None:
+        """:meth:`swap_in` into the claimed ``seq``, after :meth:`_swap_in_check`."""
         from ..tiers.connector import PageBuffers
 
-        with self._lock:
-            if swapped.number not in self._swapped:
-                raise ValueError("this sequence was swapped in already, or by another manager")
-            if self._free_ids() == 0:
-                raise CacheFullError("no free sequence id to swap in to")
-            cached = self._swap_in_hits(swapped)
-            new = cached.count(None)
-            available = self._pool.free_count - self._free_hits(cached)
-            if new > available:
-                raise CacheFullError(
-                    f"swap in needs {new} new pages of {self.page_size} tokens, "
-                    f"{available} are free"
-                )
-            self._pool.share([p for p in cached if p is not None])
-            fresh = iter(self._pool.allocate(new))
-            io = PageBuffers(self._pages)
-            hashes = swapped.hashes[swapped.first_page :]
-            pages = [UNUSED_PAGE] * swapped.first_page
-            written: list[tuple[int, int]] = []  # (page, block index)
-            for i, hit in enumerate(cached):
-                if hit is not None:
-                    pages.append(hit)
-                    continue
-                page = next(fresh)
-                written.append((page, i))
-                if i < len(hashes):
-                    self._pool.register(page, hashes[i])
-                pages.append(page)
-            if written:  # one batch of copies
-                io.write_pages(
-                    [page for page, _ in written],
-                    swapped.blocks[[i for _, i in written]],
-                )
-            (seq,) = self._storage_claim(1)
-            self._page_lists[seq] = pages
-            self._given_back[seq] = swapped.first_page
-            if swapped.stream is not None:
-                self._streams[seq] = replace(swapped.stream)
-            self._lengths[seq] = swapped.length
-            if self._prefix_caching:
-                self._tokens[seq] = list(swapped.tokens or [])
-                self._salts[seq] = swapped.salt
-                self._hashes[seq] = list(swapped.hashes)
-            if swapped.approximate_from is not None:
-                self._approximate[seq] = swapped.approximate_from
-            del self._swapped[swapped.number]
-            return seq
+        self._pool.share([p for p in cached if p is not None])
+        fresh = iter(self._pool.allocate(cached.count(None)))
+        io = PageBuffers(self._pages)
+        hashes = swapped.hashes[swapped.first_page :]
+        pages = [UNUSED_PAGE] * swapped.first_page
+        written: list[tuple[int, int]] = []  # (page, block index)
+        for i, hit in enumerate(cached):
+            if hit is not None:
+                pages.append(hit)
+                continue
+            page = next(fresh)
+            written.append((page, i))
+            if i < len(hashes):
+                self._pool.register(page, hashes[i])
+            pages.append(page)
+        if written:  # one batch of copies
+            io.write_pages([page for page, _ in written], swapped.blocks[[i for _, i in written]])
+        self._page_lists[seq] = pages
+        self._given_back[seq] = swapped.first_page
+        if swapped.stream is not None:
+            self._streams[seq] = replace(swapped.stream)
+        self._lengths[seq] = swapped.length
+        if self._prefix_caching:
+            self._tokens[seq] = list(swapped.tokens or [])
+            self._salts[seq] = swapped.salt
+            self._hashes[seq] = list(swapped.hashes)
+        if swapped.approximate_from is not None:
+            self._approximate[seq] = swapped.approximate_from
+        del self._swapped[swapped.number]
 
     # ------------------------------------------------------- storage hooks
 
