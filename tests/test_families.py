@@ -379,6 +379,31 @@ def test_gemma3_on_the_hybrid_cache_over_several_windows(
     answered = [len(p) + new_tokens for p in prompts]
     assert sliding.num_pages < sum(-(-n // PAGE_SIZE) for n in answered)
     assert manager.free_pages == manager.num_pages
+    # Preemption on the hybrid cache, by swap (every group's live pages to host
+    # memory and back) and by recompute, with too few full-attention pages for both
+    # answers at once: the same graph, the same tokens.
+    full_pages = max(-(-n // PAGE_SIZE) for n in answered) + 4
+    assert full_pages < sum(-(-n // PAGE_SIZE) for n in answered)
+    for policy in ("swap", "recompute"):
+        tight = HybridKVCacheManager(
+            cache_params(config),
+            PAGE_SIZE,
+            [40, full_pages],
+            2,
+            max_len,
+            config.layer_windows,
+            [CPU()],
+            session,
+            enable_prefix_caching=policy == "recompute",
+        )
+        scheduler = ContinuousBatchingScheduler(model, tight, 2, preemption=policy)
+        for prompt in prompts:
+            scheduler.submit(prompt, new_tokens)
+        outputs, stats = scheduler.run()
+        assert outputs == expected, policy
+        assert stats.preemptions > 0, policy
+        assert (stats.recomputed_tokens > 0) == (policy == "recompute")
+        assert tight.free_pages == tight.num_pages and tight.swapped_bytes == 0
 
 
 @pytest.mark.compile
