@@ -51,7 +51,7 @@ def test_each_manager_declares_what_it_offers() -> None:
         pages=True, swap=True, sinks=True, blending=True, tiers=True
     )
     assert found["contiguous"] == CacheCapabilities()
-    assert found["hybrid"].names() == ("pages", "swap")
+    assert found["hybrid"].names() == ("pages", "swap", "tiers")
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged", "hybrid"])

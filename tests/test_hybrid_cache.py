@@ -18,6 +18,7 @@ from maxkv import CacheFullError, HybridKVCacheManager, KVCacheParams
 from maxkv.cache.hybrid import layer_groups
 from maxkv.cache.paged import UNUSED_PAGE, SwappedSequence
 from maxkv.errors import ArgumentTypeError
+from maxkv.tiers import TierConfig
 
 from .conftest import RELIABILITY_COUNTS
 from .fakes import NumpyCacheDevice
@@ -216,12 +217,19 @@ class HybridMachine(RuleBasedStateMachine):
     group's pages (after a swap-in too), nothing else is held, and reference counts
     and free pages agree."""
 
+    #: KV tiers behind the groups (a host tier each): a prefix evicted from the
+    #: device comes back from them.
+    tiers: TierConfig | None = None
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = hybrid(pages=(10, 14), enable_prefix_caching=True)
+        self.m = hybrid(pages=(10, 14), enable_prefix_caching=True, tiers=self.tiers)
         self.tokens: dict[int, list[int]] = {}
         #: Sequences swapped out, with their tokens.
         self.swapped: list[tuple[SwappedSequence, list[int]]] = []
+        #: The tokens of released sequences; tokens loaded from the tiers so far.
+        self.released: list[list[int]] = []
+        self.loaded = 0
         RELIABILITY_COUNTS["hybrid machine: examples"] += 1
 
     def state(self) -> object:
@@ -294,7 +302,7 @@ class HybridMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.release(seq)
-        del self.tokens[seq]
+        self.released.append(self.tokens.pop(seq))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -345,6 +353,11 @@ class HybridMachine(RuleBasedStateMachine):
                 first = m.groups[g].window.first_needed_position(len(tokens))
                 assert values == [prefix_value(tokens[: t + 1]) for t in range(first, len(tokens))]
         assert m.swapped_bytes == sum(s.nbytes for s, _ in self.swapped)
+        loaded = sum(g.tier_hit_tokens for g in m.groups)
+        RELIABILITY_COUNTS["hybrid machine with tiers: tokens from the tiers"] += (
+            loaded - self.loaded
+        )
+        self.loaded = loaded
         RELIABILITY_COUNTS["hybrid machine: steps"] += 1
 
 
@@ -355,6 +368,40 @@ HybridMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestHybridStateMachine = HybridMachine.TestCase
+
+
+class HybridTierMachine(HybridMachine):
+    """:class:`HybridMachine` with a host tier per group: pages evicted from a
+    group's device pool come back from its tier, and read back the same."""
+
+    tiers = TierConfig(model_id="hybrid-machine")
+
+    @precondition(lambda self: self.released and len(self.tokens) < 4)
+    @rule(data=st.data())
+    def claim_a_released_prompt(self, data: st.DataObject) -> None:
+        """A prompt that starts with a released sequence's tokens: its full pages are
+        in the tiers (and on the device unless forgotten or evicted)."""
+        before = data.draw(st.sampled_from(self.released))
+        prompt = before + data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=5))
+        seq, cached = self.m.claim_prefix(prompt)
+        assert cached % PAGE == 0 and cached < len(prompt)
+        self.tokens[seq] = prompt[:cached]
+        self.step_with(seq, prompt[cached:])
+
+    @rule()
+    def forget_the_device_cache(self) -> None:
+        """The devices forget every registered page (as eviction would); the tiers
+        still hold them, and the next claims load them back."""
+        for group in self.m.groups:
+            group._pool.reset_cache()
+        RELIABILITY_COUNTS["hybrid machine with tiers: device caches forgotten"] += 1
+
+    def teardown(self) -> None:
+        self.m.close()
+
+
+HybridTierMachine.TestCase.settings = HybridMachine.TestCase.settings
+TestHybridTierStateMachine = HybridTierMachine.TestCase
 
 
 def test_every_kind_of_cache_reports_its_occupancy_the_same_way() -> None:

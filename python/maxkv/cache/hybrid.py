@@ -31,14 +31,18 @@ group, and a step that one group cannot take changes none:
 Between rounds ``fork`` and ``pop_n`` apply to every group, refused in all
 if one group's window would reach a page it gave back; ``swap_out`` copies
 every group's live pages to host memory and ``swap_in`` writes them back
-under one new id, in every group or in none.  KV tiers, attention sinks and
-CacheBlend are not offered on a hybrid cache yet.
+under one new id, in every group or in none.  With KV tiers every group
+offloads its registered pages to tiers of its own (keys naming its window),
+and a claim reuses ``m`` pages when each group gets what it needs of them
+from its device pages and its tiers.  Attention sinks and CacheBlend are not
+offered on a hybrid cache yet.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +59,29 @@ from .spec import CacheInputs, CacheSpec, HybridCacheSpec
 from .window import PageWindow
 
 __all__ = ["HybridKVCacheManager", "layer_groups"]
+
+
+def _split_tiers(
+    tiers: TierConfig, windows: Sequence[int | None], counts: Sequence[int]
+) -> list[TierConfig]:
+    """Each layer group's tiers: the model id naming the group (its window), the
+    byte budgets split in proportion to its layers (its pages' size)."""
+    total = sum(counts)
+
+    def share(nbytes: int, count: int) -> int:
+        return 0 if nbytes == 0 else max(1, nbytes * count // total)
+
+    return [
+        replace(
+            tiers,
+            model_id=f"{tiers.model_id}#window={window or 'none'}" if tiers.model_id else "",
+            host_bytes=share(tiers.host_bytes, count),
+            disk_bytes=share(tiers.disk_bytes, count),
+            swap_bytes=share(tiers.swap_bytes, count),
+            write_queue_bytes=share(tiers.write_queue_bytes, count),
+        )
+        for window, count in zip(windows, counts, strict=True)
+    ]
 
 
 def layer_groups(
@@ -103,8 +130,12 @@ class HybridKVCacheManager(KVCacheManagerBase):
             only with a ``cache_device``).
         enable_prefix_caching: Prefix caching by page sharing, in every group.
         cache_device: The device work of every group; default MAX's.
-        swap_bytes: Host memory each group's pages may take while swapped out
-            (:meth:`swap_out`); default ``TierConfig``'s.
+        tiers: KV tiers beyond the device and the swap space
+            (:class:`~maxkv.tiers.TierConfig`, as for
+            :class:`~maxkv.PagedKVCacheManager`): every group keeps its pages in
+            tiers of its own (keys naming the group's window), the host, disk,
+            swap and write-queue budgets split between the groups in proportion
+            to their page sizes.  ``None``: no tiers, default swap space.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -112,9 +143,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
             one count per group, or the devices do not match ``params``.
     """
 
-    #: Admission by pages and swap, in every group; no tiers, attention sinks or
+    #: Admission by pages, swap and KV tiers, in every group; no attention sinks or
     #: CacheBlend yet.
-    capabilities = CacheCapabilities(pages=True, swap=True)
+    capabilities = CacheCapabilities(pages=True, swap=True, tiers=True)
 
     def __init__(
         self,
@@ -129,10 +160,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
         *,
         enable_prefix_caching: bool = False,
         cache_device: CacheDevice | None = None,
-        swap_bytes: int | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         windows, layers = layer_groups(layer_windows)
-        tiers = None if swap_bytes is None else TierConfig(swap_bytes=swap_bytes)
         if isinstance(num_pages, (str, bytes)) or not isinstance(num_pages, Sequence):
             raise ArgumentTypeError(
                 f"num_pages must be a sequence of ints, got {type(num_pages).__name__}"
@@ -143,6 +173,11 @@ class HybridKVCacheManager(KVCacheManagerBase):
                 f"(windows {windows})"
             )
         counts = [sum(1 for g, _ in layers if g == group) for group in range(len(windows))]
+        if tiers is not None and not isinstance(tiers, TierConfig):
+            raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        group_tiers: list[TierConfig | None] = (
+            [None] * len(windows) if tiers is None else list(_split_tiers(tiers, windows, counts))
+        )
         #: The layer groups, in :func:`layer_groups` order.
         self.groups = [
             PagedKVCacheManager(
@@ -157,9 +192,11 @@ class HybridKVCacheManager(KVCacheManagerBase):
                 enable_prefix_caching=enable_prefix_caching,
                 cache_device=cache_device,
                 sliding_window=window,
-                tiers=tiers,
+                tiers=one_group_tiers,
             )
-            for window, pages, count in zip(windows, num_pages, counts, strict=True)
+            for window, pages, count, one_group_tiers in zip(
+                windows, num_pages, counts, group_tiers, strict=True
+            )
         ]
         spec = HybridCacheSpec(
             tuple(
@@ -323,9 +360,11 @@ class HybridKVCacheManager(KVCacheManagerBase):
             for g in self.groups
         )
         prefix = "prefix caching on" if self.prefix_caching else "prefix caching off"
+        tiers = self.groups[0]._describe_tiers()
+        per_group = f"{tiers} (per group, {len(self.groups)} groups)" if tiers else ""
         return (
             f"hybrid paged cache, pages of {self.page_size} tokens: {groups} "
-            f"({self.nbytes() / 2**20:.1f} MiB, {self.params.encoding} KV), {prefix}"
+            f"({self.nbytes() / 2**20:.1f} MiB, {self.params.encoding} KV), {prefix}{per_group}"
         )
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
@@ -417,18 +456,45 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
         """Pages of ``prompt``'s prefix :meth:`claim_prefix` would reuse now (no change):
-        ``(reused, 0)`` (no tiers)."""
+        ``(on the device in every group, then with the KV tiers' blocks)``."""
         with self._lock:
             self._require_prefix_caching("prefix_hits")
-            reused, _ = self._prefix_plans(self._prompt(prompt), salt)
-            return reused, 0
+            tokens = self._prompt(prompt)
+            on_device, _ = self._prefix_plans(tokens, salt, tiers=False)
+            reused, _ = self._prefix_plans(tokens, salt)
+            return on_device, reused - on_device
 
-    def _prefix_plans(self, tokens: list[int], salt: str | None) -> tuple[int, list[_Prefix]]:
-        """The most pages every group can reuse, and each group's plan for them."""
+    def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:
+        """Every group's :meth:`PagedKVCacheManager.prefetch` (no-op without tiers)."""
+        for group in self.groups:
+            group.prefetch(prompt, salt=salt)
+
+    @property
+    def tier_hit_tokens(self) -> int:
+        """Prompt tokens loaded from the tiers instead of computed (the full-attention
+        group's count: every token of the prefix; else the first group's)."""
+        full = [g for g in self.groups if not g.window.slides]
+        return (full or self.groups)[0].tier_hit_tokens
+
+    def close(self) -> None:
+        """Finishes every group's queued tier writes and stops their threads."""
+        for group in self.groups:
+            group.close()
+
+    def _prefix_plans(
+        self, tokens: list[int], salt: str | None, *, tiers: bool = True
+    ) -> tuple[int, list[_Prefix]]:
+        """The most pages every group can reuse (from the device, then from its KV
+        tiers unless not ``tiers``), and each group's plan for them."""
         looks = [group._lookup(tokens, salt) for group in self.groups]
+        helds = [
+            g._held(hashes, found) if tiers else [p is not None for p in found]
+            for g, (hashes, found, _) in zip(self.groups, looks, strict=True)
+        ]
         for m in range(len(looks[0][0]), 0, -1):
             plans = [
-                g._device_prefix_at(*look, m) for g, look in zip(self.groups, looks, strict=True)
+                g._prefix_at(look[0], look[1], held, m)
+                for g, look, held in zip(self.groups, looks, helds, strict=True)
             ]
             if all(plan is not None for plan in plans):
                 return m, [plan for plan in plans if plan is not None]
@@ -438,11 +504,29 @@ class HybridKVCacheManager(KVCacheManagerBase):
         return self._prefix_plans(tokens, salt)[0] * self.page_size
 
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
-        reused, plans = self._prefix_plans(tokens, salt)
+        _, plans = self._prefix_plans(tokens, salt)
         (seq_id,) = self._storage_claim(1)
-        for group, plan in zip(self.groups, plans, strict=True):
-            group._adopt_prefix(seq_id, tokens, salt, plan)
-        return seq_id, reused * self.page_size
+        cached = self._adopt(seq_id, tokens, salt, plans)
+        if len(cached) > 1:
+            # A tier could not give a group a block (gone, refused, no free page): every
+            # group starts again from what the devices hold now, the loaded blocks
+            # included (they are registered pages now).
+            for group in self.groups:
+                group._storage_release(seq_id)
+            self._storage_claim_ids([seq_id])
+            _, plans = self._prefix_plans(tokens, salt, tiers=False)
+            cached = self._adopt(seq_id, tokens, salt, plans)
+        (length,) = cached
+        return seq_id, length
+
+    def _adopt(
+        self, seq_id: int, tokens: list[int], salt: str | None, plans: list[_Prefix]
+    ) -> set[int]:
+        """Every group's :meth:`PagedKVCacheManager._adopt_prefix`; the lengths they took."""
+        return {
+            g._adopt_prefix(seq_id, tokens, salt, plan)
+            for g, plan in zip(self.groups, plans, strict=True)
+        }
 
     def _storage_prefix_counters(self) -> tuple[int, int]:
         counters = [group._storage_prefix_counters() for group in self.groups]

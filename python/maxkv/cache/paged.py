@@ -478,24 +478,28 @@ class PagedKVCacheManager(KVCacheManagerBase):
             self.params, self.page_size, self.num_pages, self.num_layers, self.devices
         )
         prefix = "prefix caching on" if self.prefix_caching else "prefix caching off"
-        where = ""
-        tiers = self.tiers
-        if tiers is not None:
-            c = tiers.config
-            parts = [f"host {c.host_bytes / 2**30:.1f} GiB"]
-            if c.disk_dir is not None:
-                parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
-            if c.redis_url is not None:
-                parts.append(f"Redis {redact_url(c.redis_url)}")
-            if c.disk_dir is not None or c.redis_url is not None:
-                parts.append(tiers.security)
-            where = ", KV tiers: " + ", ".join(parts)
+        where = self._describe_tiers()
         window = self.window.window
         given_back = "" if window is None else f", pages before its {window}-token window freed"
         return (
             f"paged cache: {self.num_pages} pages of {self.page_size} tokens "
             f"({size / 2**20:.1f} MiB, {self.params.encoding} KV){given_back}, {prefix}{where}"
         )
+
+    def _describe_tiers(self) -> str:
+        """``, KV tiers: host ..., disk ..., Redis ...`` (empty without tiers)."""
+        tiers = self.tiers
+        if tiers is None:
+            return ""
+        c = tiers.config
+        parts = [f"host {c.host_bytes / 2**30:.1f} GiB"]
+        if c.disk_dir is not None:
+            parts.append(f"disk {c.disk_bytes / 2**30:.1f} GiB in {c.disk_dir}")
+        if c.redis_url is not None:
+            parts.append(f"Redis {redact_url(c.redis_url)}")
+        if c.disk_dir is not None or c.redis_url is not None:
+            parts.append(tiers.security)
+        return ", KV tiers: " + ", ".join(parts)
 
     # ------------------------------------------------------ prefix caching
 
@@ -564,6 +568,41 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if runs[m - 1] < m - start:
             return None
         return _Prefix(start, [p for p in found[start:m] if p is not None], hashes, 0)
+
+    def _held(self, hashes: list[bytes], found: list[int | None]) -> list[bool]:
+        """Per full page of a prompt (:meth:`_lookup`): whether the device or a KV tier
+        holds its block (the tiers asked once, for the pages the device lacks)."""
+        held = [page is not None for page in found]
+        ask = [i for i, on_device in enumerate(held) if not on_device]
+        if self._connector is not None and ask:
+            from ..tiers.connector import LEAF
+
+            in_tiers = self._connector.lookup([hashes[i] for i in ask])[LEAF]
+            for i, there in zip(ask, in_tiers, strict=True):
+                held[i] = bool(there)
+        return held
+
+    def _prefix_at(
+        self, hashes: list[bytes], found: list[int | None], held: list[bool], m: int
+    ) -> _Prefix | None:
+        """Reusing exactly ``m`` pages, if this cache's layers get all they need of
+        them (the pages of the window, or all ``m``): device pages from the first
+        page needed, then blocks loaded from the tiers (``held``: :meth:`_held`); a
+        block a tier holds whose page is also on the device is shared, not copied
+        (the registry gives the registered page back); else ``None``."""
+        if m == 0:
+            return _Prefix(0, [], hashes, 0)
+        start = self.window.first_live_page(m * self.page_size)
+        i = start
+        pages: list[int] = []
+        while i < m and (page := found[i]) is not None:
+            pages.append(page)
+            i += 1
+        in_tiers = 0
+        while i < m and held[i]:
+            in_tiers += 1
+            i += 1
+        return _Prefix(start, pages, hashes, in_tiers) if i == m else None
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
         """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
@@ -638,12 +677,19 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
         """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
         pages, in order, up to the first one no tier can give (or the last free page);
-        returns the pages."""
+        a block registered on the device is shared instead; returns the pages."""
         from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
 
         assert self._connector is not None
         loaded: list[int] = []
-        for block in hashes[: self._pool.free_count]:
+        for block in hashes:
+            registered = self._pool.lookup(block)
+            if registered is not None:  # on the device after all (a hybrid cache's plan)
+                self._pool.share([registered])
+                loaded.append(registered)
+                continue
+            if self._pool.free_count == 0:
+                break
             (page,) = self._pool.allocate(1)
             try:
                 self._connector.load({LEAF: [page]}, {LEAF: [block]}, tenant=salt)
