@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ from maxkv.cache.paged import UNUSED_PAGE
 from maxkv.models import DecoderModel, ModelLoadError, load_model
 from maxkv.models.decoder import cache_params
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
+from maxkv.tiers import TierConfig
+from maxkv.tiers.local_server import LocalRedisServer
 
 from .family_checkpoints import (
     ALL_SLIDING,
@@ -404,6 +409,99 @@ def test_gemma3_on_the_hybrid_cache_over_several_windows(
         assert stats.preemptions > 0, policy
         assert (stats.recomputed_tokens > 0) == (policy == "recompute")
         assert tight.free_pages == tight.num_pages and tight.swapped_bytes == 0
+
+
+#: A process that runs Gemma 3 on the hybrid cache with a signed Redis tier and
+#: reports its tokens (argv: checkpoint, Redis URL, prompts, secret).
+_GEMMA3_FIRST_PROCESS = """
+import json, sys
+from max.driver import CPU
+from max.engine import InferenceSession
+from maxkv import HybridKVCacheManager
+from maxkv.models import DecoderModel, load_model
+from maxkv.models.decoder import cache_params
+from maxkv.serving.scheduler import ContinuousBatchingScheduler
+from maxkv.tiers import TierConfig
+
+directory, url, prompts, secret = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+config, weights = load_model(directory)
+session = InferenceSession(devices=[CPU()])
+tiers = TierConfig(model_id="gemma3-test", redis_url=url, secret=secret)
+manager = HybridKVCacheManager(
+    cache_params(config), 16, [40, 40], 2, 512, config.layer_windows, [CPU()], session,
+    enable_prefix_caching=True, tiers=tiers,
+)
+scheduler = ContinuousBatchingScheduler(DecoderModel(config, weights, manager, session), manager, 2)
+for prompt in prompts:
+    scheduler.submit(prompt, 8)
+outputs, _ = scheduler.run()
+manager.close()  # every block written to Redis
+writes = [group.tiers.stats.redis_writes for group in manager.groups]
+print(json.dumps({"outputs": outputs, "redis_writes": writes}))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.redis
+def test_gemma3_reloads_its_prefix_from_redis_in_a_second_process(
+    tmp_path: Path, session: InferenceSession, redis_server: LocalRedisServer
+) -> None:
+    """The hybrid cache with KV tiers: a first process writes every layer group's
+    pages to Redis, signed; this one loads the prompt's prefix from there (the full
+    group all of it, the sliding group its window) and gives the same tokens as
+    transformers.  Without the secret, nothing is loaded."""
+    from maxkv.models.hf import hf_from_pretrained, hf_generate
+
+    directory = save_family_checkpoint(tmp_path / "gemma3", "gemma3", seed=11)
+    config, weights = load_model(directory)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (2 * WINDOW + 30, 40)]
+    expected = hf_generate(hf_from_pretrained(directory), prompts, NEW_TOKENS)
+    secret = "gemma3-test-secret-0123456789"
+    first = subprocess.run(
+        [sys.executable, "-c", _GEMMA3_FIRST_PROCESS, str(directory), redis_server.url,
+         json.dumps(prompts), secret],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout.strip().splitlines()[-1])
+    assert report["outputs"] == expected
+    pages = (len(prompts[0]) - 1) // PAGE_SIZE
+    assert report["redis_writes"][1] >= pages  # the full-attention group's, all of them
+
+    model: DecoderModel | None = None
+
+    def run(**tier_options: Any) -> tuple[list[list[int]], Any, HybridKVCacheManager]:
+        nonlocal model
+        tiers = TierConfig(model_id="gemma3-test", redis_url=redis_server.url, **tier_options)
+        manager = HybridKVCacheManager(
+            cache_params(config), PAGE_SIZE, [40, 40], 2, 512, config.layer_windows, [CPU()],
+            session, enable_prefix_caching=True, tiers=tiers,
+        )  # fmt: skip
+        if model is None:
+            model = DecoderModel(config, weights, manager, session)
+        scheduler = ContinuousBatchingScheduler(model, manager, 2)
+        for prompt in prompts:
+            scheduler.submit(prompt, NEW_TOKENS)
+        outputs, _ = scheduler.run()
+        manager.close()
+        return outputs, scheduler.requests(), manager
+
+    outputs, requests, manager = run(secret=secret)
+    assert outputs == expected
+    assert requests[0].cached_tokens == pages * PAGE_SIZE  # none of it on this device
+    sliding, full = manager.groups
+    assert full.tier_hit_tokens == sum(r.cached_tokens for r in requests)  # all from Redis
+    # The sliding layers loaded only their window's pages of the prefix.
+    first_needed = sliding.window.first_live_page(pages * PAGE_SIZE) * PAGE_SIZE
+    assert sliding.tier_hit_tokens == full.tier_hit_tokens - first_needed
+    for group in manager.groups:
+        assert group.tiers is not None and group.tiers.stats.redis_hits > 0
+        assert not group.tiers.stats.invalid
+
+    outputs, requests, manager = run(insecure=True)  # no secret: no block is trusted
+    assert outputs == expected and requests[0].cached_tokens == 0
+    assert all(g.tiers is not None and g.tiers.stats.redis_hits == 0 for g in manager.groups)
 
 
 @pytest.mark.compile

@@ -542,6 +542,9 @@ def build_manager(
         )
         pages_per_seq = math.ceil(max_seq_len / page_size)
         num_pages = max_batch_size * pages_per_seq if available is None else available // per_page
+        if tiers is not None and tiers.any_tier and not prefix_caching:
+            logger.info("maxkv: KV tiers are off: they need prefix caching")
+            tiers = None
         if None in windows and any(w is not None for w in windows):
             return _hybrid_manager(
                 params,
@@ -564,9 +567,6 @@ def build_manager(
                 f"{(available or 0) / 2**30:.2f} GiB for the KV cache: lower --max-length or "
                 "--kv-cache-page-size"
             )
-        if tiers is not None and tiers.any_tier and not prefix_caching:
-            logger.info("maxkv: KV tiers are off: they need prefix caching")
-            tiers = None
         return PagedKVCacheManager(
             params,
             page_size,
@@ -629,8 +629,6 @@ def _hybrid_manager(
             f"{page_size} tokens, fewer than one --max-length {max_seq_len} sequence needs: "
             "lower --max-length, --max-batch-size or --max-batch-input-tokens"
         )
-    if tiers is not None and tiers.any_tier and not HybridKVCacheManager.capabilities.tiers:
-        logger.info("maxkv: KV tiers are off: a hybrid cache (layer groups) has no tiers")
     return HybridKVCacheManager(
         params,
         page_size,
@@ -641,6 +639,7 @@ def _hybrid_manager(
         devices,
         session,
         enable_prefix_caching=prefix_caching,
+        tiers=tiers,
     )
 
 
