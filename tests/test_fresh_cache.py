@@ -105,6 +105,6 @@ def manager_rows(
         block = manager._blocks[0].to_numpy()[seq, :, layer, :NEW_TOKENS]
         return block[0].reshape(NEW_TOKENS, WIDTH), block[1].reshape(NEW_TOKENS, WIDTH)
     assert isinstance(manager, PagedKVCacheManager)
-    (page,) = manager._page_lists[seq][:1]
+    (page,) = manager.pages(seq)[:1]
     block = manager._pages[0].to_numpy()[page, :, layer, :NEW_TOKENS]
     return block[0].reshape(NEW_TOKENS, WIDTH), block[1].reshape(NEW_TOKENS, WIDTH)

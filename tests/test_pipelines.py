@@ -470,6 +470,7 @@ def test_max_generate_runs_every_family_as_transformers_does(
     log = result.stdout + result.stderr
     if family in HYBRID:  # a layer group per window: the sliding layers give pages back
         assert "hybrid paged cache" in log
+        assert "KV tiers: host" in log and "(per group, 2 groups)" in log  # tiers on, per group
     elif family in ALL_SLIDING:
         assert "window freed" in log
 

@@ -388,7 +388,7 @@ def test_connector_follows_max_kv_connector_protocol(page_copies: str) -> None:
     assert isinstance(conn, KVConnector)
     seq, _ = fill(m, list(range(9)), seed=0)
     held = list(m.pages(seq)[:2])
-    blocks = m._hashes[seq]
+    blocks = m._seqs[seq].hashes
     assert conn.lookup([*blocks, key(7)]) == {"maxkv": [True, True, False]}
     target = m._pool.allocate(2)
     assert conn.load({"maxkv": target}, {"maxkv": blocks}).is_complete()

@@ -133,20 +133,17 @@ class SwappedSequence:
     #: Its pages still held, ``[pages, devices, 2, num_layers, page_size, heads,
     #: head_dim]``, the first being page ``first_page`` of the sequence.
     blocks: np.ndarray = field(repr=False)
-    #: Prefix caching: its committed token ids, salt and full-page hashes.
-    tokens: list[int] | None = field(default=None, repr=False)
-    salt: str | None = None
-    hashes: list[bytes] = field(default_factory=list, repr=False)
-    #: Pages before it were given back (sliding window).
-    first_page: int = 0
-    #: Its attention sinks (:meth:`PagedKVCacheManager.enable_sliding_window`).
-    stream: _Stream | None = None
-    #: Its KV is approximate from this position (:meth:`PagedKVCacheManager.approximate_from`).
-    approximate_from: int | None = None
+    #: A copy of its record as it was (its page row aside: ``blocks`` replace it).
+    state: _Sequence = field(default_factory=lambda: _Sequence(), repr=False)
     #: A :class:`~maxkv.HybridKVCacheManager`'s: one per layer group (each with its
     #: pages and record); its own ``blocks`` are then empty.
     groups: tuple[SwappedSequence, ...] = field(default=(), repr=False)
     number: int = field(default_factory=lambda: next(_swap_numbers))
+
+    @property
+    def first_page(self) -> int:
+        """The pages before this one were given back (sliding window)."""
+        return self.state.given_back
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +159,42 @@ class _Stream:
     window: int
     sink_pages: int
     evicted: int = 0
+
+
+@dataclass
+class _Sequence:
+    """One sequence's record in a paged cache (TVM's ``Sequence``): everything the
+    cache keeps of it besides its committed length (the protocol's, shared by the
+    layer groups of a hybrid cache).  A per-sequence feature is a field here; claim
+    makes a fresh record, fork takes the parent's up to the fork, swap keeps a copy
+    beside the page contents, release drops it."""
+
+    #: Its page-table row in token order; :data:`UNUSED_PAGE` for pages given back.
+    pages: list[int] = field(default_factory=list)
+    #: How many pages at its start it gave back (sliding window).
+    given_back: int = 0
+    #: Prefix caching: its committed token ids, its tenant's salt and the hashes of
+    #: its full pages (empty without prefix caching).
+    tokens: list[int] = field(default_factory=list)
+    salt: str | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    #: Its attention sinks (:meth:`PagedKVCacheManager.enable_sliding_window`).
+    stream: _Stream | None = None
+    #: Its KV is approximate (blended) from this position on
+    #: (:meth:`PagedKVCacheManager.approximate_from`).
+    approximate_from: int | None = None
+
+    def copy(self) -> _Sequence:
+        """A deep copy (lists and sink state not shared)."""
+        return _Sequence(
+            list(self.pages),
+            self.given_back,
+            list(self.tokens),
+            self.salt,
+            list(self.hashes),
+            None if self.stream is None else replace(self.stream),
+            self.approximate_from,
+        )
 
 
 @dataclass
@@ -279,20 +312,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self.max_pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
         self._free_seq_ids: set[int] = set(range(self.max_batch_size))
         self._pool = PagePool(self.num_pages)
-        self._page_lists: dict[int, list[int]] = {}
-        #: Per sequence, how many pages at the start of its list it gave back.
-        self._given_back: dict[int, int] = {}
-        #: Sequences with attention sinks (enable_sliding_window).
-        self._streams: dict[int, _Stream] = {}
+        #: Each claimed sequence's record.
+        self._seqs: dict[int, _Sequence] = {}
         self._rotation = key_rotation
         self._prefix_caching = bool(enable_prefix_caching)
-        #: Prefix caching, per sequence: committed token ids, salt, and the
-        #: hashes of its full pages (the chain its next full page extends).
-        self._tokens: dict[int, list[int]] = {}
-        self._salts: dict[int, str | None] = {}
-        self._hashes: dict[int, list[bytes]] = {}
-        #: Sequences whose KV is approximate from a position on (approximate_from).
-        self._approximate: dict[int, int] = {}
         shape = self.pages_shape(self.num_pages)
         self._pages = self.cache_device.zeros(shape, self.params.cache_dtype)
         self._tier_config = tiers if tiers is not None else TierConfig()
@@ -359,7 +382,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            return tuple(self._page_lists[seq])
+            return tuple(self._seqs[seq].pages)
 
     def page_refcount(self, page: int) -> int:
         """How many sequences hold ``page`` (0: free)."""
@@ -398,7 +421,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 raise ValueError(
                     f"tokens [{start}, {end}) are outside seq_id {seq}'s {length} committed"
                 )
-            pages = self._page_lists[seq]
+            pages = self._seqs[seq].pages
             buffer = self._pages[0]
             if not buffer.is_host:
                 raise ValueError("read_tokens needs the pages in host memory (a CPU cache)")
@@ -420,7 +443,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         ``None`` when all of it is exact."""
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            return self._approximate.get(seq)
+            return self._seqs[seq].approximate_from
 
     def approximate_from(self, seq_id: int, position: int) -> None:
         """Marks ``seq_id``'s KV from ``position`` on as approximate (a CacheBlend
@@ -435,8 +458,10 @@ class PagedKVCacheManager(KVCacheManagerBase):
         position = require_int("position", position, 0)
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            current = self._approximate.get(seq)
-            self._approximate[seq] = position if current is None else min(current, position)
+            current = self._seqs[seq].approximate_from
+            self._seqs[seq].approximate_from = (
+                position if current is None else min(current, position)
+            )
 
     def storage_units(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
@@ -665,11 +690,12 @@ class PagedKVCacheManager(KVCacheManagerBase):
         reused = plan.start + len(pages)
         self.tier_hit_tokens += (reused - on_device) * self.page_size
         cached = reused * self.page_size
-        self._page_lists[seq_id] = [UNUSED_PAGE] * plan.start + pages
-        self._given_back[seq_id] = plan.start
-        self._tokens[seq_id] = tokens[:cached]
-        self._salts[seq_id] = salt
-        self._hashes[seq_id] = plan.hashes[:reused]
+        state = self._seqs[seq_id]
+        state.pages = [UNUSED_PAGE] * plan.start + pages
+        state.given_back = plan.start
+        state.tokens = tokens[:cached]
+        state.salt = salt
+        state.hashes = plan.hashes[:reused]
         self._lengths[seq_id] = cached
         self._give_back(seq_id)
         return cached
@@ -722,16 +748,17 @@ class PagedKVCacheManager(KVCacheManagerBase):
         # Per tenant (salt): each one's pages are signed with its own key.
         new_blocks: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for seq_id, ids in tokens.items():
-            stream = self._streams.get(seq_id)
-            if stream is not None and stream.evicted:
+            state = self._seqs[seq_id]
+            if state.stream is not None and state.stream.evicted:
                 continue  # its pages hold moved keys: not the prefix their tokens hash to
-            held_tokens = self._tokens[seq_id]
+            held_tokens = state.tokens
             held_tokens.extend(ids)
-            exact = held_tokens[: self._approximate.get(seq_id, len(held_tokens))]
-            hashes = self._hashes[seq_id]
-            parent = hashes[-1] if hashes else root_hash(self._salts[seq_id])
+            blended = state.approximate_from
+            exact = held_tokens[: len(held_tokens) if blended is None else blended]
+            hashes = state.hashes
+            parent = hashes[-1] if hashes else root_hash(state.salt)
             start = len(hashes) * self.page_size
-            pages = self._page_lists[seq_id]
+            pages = state.pages
             for block in block_hashes(exact, self.page_size, parent, start):
                 index = len(hashes)
                 page = pages[index]
@@ -741,7 +768,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                     pages[index] = registered
                     self._pool.free([page])
                 else:
-                    new_pages, new_hashes = new_blocks.setdefault(self._salts[seq_id], ([], []))
+                    new_pages, new_hashes = new_blocks.setdefault(state.salt, ([], []))
                     new_pages.append(page)
                     new_hashes.append(block)
                 hashes.append(block)
@@ -816,8 +843,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         from ..tiers.connector import PageBuffers
 
         io = PageBuffers(self._pages)
-        gone = self._given_back[seq]
-        held = self._page_lists[seq][gone:]
+        gone = self._seqs[seq].given_back
+        held = self._seqs[seq].pages[gone:]
         nbytes = len(held) * io.page_nbytes
         budget = self._tier_config.swap_bytes
         if self.swapped_bytes + nbytes > budget:
@@ -829,16 +856,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             blocks = io.read_pages(held)
         else:
             blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
-        swapped = SwappedSequence(
-            length=self._lengths[seq],
-            blocks=blocks,
-            tokens=list(self._tokens[seq]) if self._prefix_caching else None,
-            salt=self._salts.get(seq),
-            hashes=list(self._hashes.get(seq, [])),
-            first_page=gone,
-            stream=replace(self._streams[seq]) if seq in self._streams else None,
-            approximate_from=self._approximate.get(seq),
-        )
+        state = self._seqs[seq].copy()
+        state.pages = []  # the blocks hold them; swap-in gives it pages anew
+        swapped = SwappedSequence(self._lengths[seq], blocks, state)
         self._swapped[swapped.number] = nbytes
         return swapped
 
@@ -851,7 +871,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _swap_in_hits(self, swapped: SwappedSequence) -> list[int | None]:
         """Per page of ``swapped``: the device page registered under its hash, if any."""
-        hashes = swapped.hashes[swapped.first_page :]
+        hashes = swapped.state.hashes[swapped.first_page :]
         return [
             self._pool.lookup(hashes[i]) if i < len(hashes) else None
             for i in range(len(swapped.blocks))
@@ -906,7 +926,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._pool.share([p for p in cached if p is not None])
         fresh = iter(self._pool.allocate(cached.count(None)))
         io = PageBuffers(self._pages)
-        hashes = swapped.hashes[swapped.first_page :]
+        hashes = swapped.state.hashes[swapped.first_page :]
         pages = [UNUSED_PAGE] * swapped.first_page
         written: list[tuple[int, int]] = []  # (page, block index)
         for i, hit in enumerate(cached):
@@ -920,17 +940,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             pages.append(page)
         if written:  # one batch of copies
             io.write_pages([page for page, _ in written], swapped.blocks[[i for _, i in written]])
-        self._page_lists[seq] = pages
-        self._given_back[seq] = swapped.first_page
-        if swapped.stream is not None:
-            self._streams[seq] = replace(swapped.stream)
+        self._seqs[seq] = swapped.state.copy()
+        self._seqs[seq].pages = pages
         self._lengths[seq] = swapped.length
-        if self._prefix_caching:
-            self._tokens[seq] = list(swapped.tokens or [])
-            self._salts[seq] = swapped.salt
-            self._hashes[seq] = list(swapped.hashes)
-        if swapped.approximate_from is not None:
-            self._approximate[seq] = swapped.approximate_from
         del self._swapped[swapped.number]
 
     # ------------------------------------------------------- storage hooks
@@ -946,20 +958,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_claim_ids(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._free_seq_ids.remove(seq_id)
-            self._page_lists[seq_id] = []
-            self._given_back[seq_id] = 0
-            if self._prefix_caching:
-                self._tokens[seq_id], self._salts[seq_id], self._hashes[seq_id] = [], None, []
+            self._seqs[seq_id] = _Sequence()
 
     def _storage_release(self, seq_id: int) -> None:
         # Last page first: a sequence's prefix outlives its tail in the cache.
-        gone = self._given_back.pop(seq_id, 0)
-        self._pool.free(reversed(self._page_lists.pop(seq_id)[gone:]))
-        self._streams.pop(seq_id, None)
-        self._approximate.pop(seq_id, None)
+        state = self._seqs.pop(seq_id)
+        self._pool.free(reversed(state.pages[state.given_back :]))
         self._free_seq_ids.add(seq_id)
-        for records in (self._tokens, self._salts, self._hashes):
-            records.pop(seq_id, None)
 
     def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
         # Plan first (nothing changes if the pages do not suffice), then act.
@@ -979,7 +984,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         plans = []
         needed = 0
         for seq_id, total in zip(seq_ids, totals, strict=True):
-            held = self._page_lists[seq_id]
+            held = self._seqs[seq_id].pages
             first_written = self._lengths[seq_id] // self.page_size
             last = self.storage_units(total)
             shared = [
@@ -994,15 +999,15 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id, shared, new in plans:
             for index in shared:
                 self._copy_on_write(seq_id, index)
-            self._page_lists[seq_id] += self._pool.allocate(new)
+            self._seqs[seq_id].pages += self._pool.allocate(new)
 
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
     ) -> list[CacheInputs]:
-        return [*self._inputs([self._page_lists[s] for s in seq_ids], lengths, max_lengths)]
+        return [*self._inputs([self._seqs[s].pages for s in seq_ids], lengths, max_lengths)]
 
     def _storage_room(self, seq_id: int) -> int:
-        return len(self._page_lists[seq_id]) * self.page_size
+        return len(self._seqs[seq_id].pages) * self.page_size
 
     def _storage_committed(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -1049,9 +1054,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 )
             if not self.host_pages:
                 raise ValueError("attention sinks rotate keys on the host: a CPU cache only")
-            if seq in self._streams:
+            if self._seqs[seq].stream is not None:
                 raise ValueError(f"seq_id {seq} has a sliding window already")
-            self._streams[seq] = _Stream(window, math.ceil(sink / self.page_size))
+            self._seqs[seq].stream = _Stream(window, math.ceil(sink / self.page_size))
             self._slide(seq)
 
     def sliding_window_of(self, seq_id: int) -> tuple[int, int, int] | None:
@@ -1059,7 +1064,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         attention sinks, else ``None``."""
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            stream = self._streams.get(seq)
+            stream = self._seqs[seq].stream
             if stream is None:
                 return None
             return stream.window, stream.sink_pages * self.page_size, stream.evicted
@@ -1068,7 +1073,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """Drops the whole pages of ``seq_id``'s oldest window tokens past its window
         and moves the keys after them back (a sequence with attention sinks).  With
         no free page for a copy-on-write it waits for a later commit."""
-        stream = self._streams.get(seq_id)
+        stream = self._seqs[seq_id].stream
         if stream is None:
             return
         length = self._lengths[seq_id]
@@ -1077,7 +1082,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         drop = (length - sinks - stream.window) // self.page_size
         if drop <= 0:
             return
-        held = self._page_lists[seq_id]
+        held = self._seqs[seq_id].pages
         moved = range(first + drop, self.storage_units(length))
         shared = [i for i in moved if self._shared(held[i])]
         if len(shared) > self._pool.free_count:
@@ -1098,25 +1103,25 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._lengths[seq_id] = length - shift
         stream.evicted += shift
         if self._prefix_caching:
-            del self._hashes[seq_id][first:]
-            del self._tokens[seq_id][sinks:]
+            del self._seqs[seq_id].hashes[first:]
+            del self._seqs[seq_id].tokens[sinks:]
 
     def _give_back(self, seq_id: int) -> None:
         """Frees the pages of ``seq_id`` that are wholly before its window now (the
         oldest first, so that the prefix cache evicts them first)."""
         first = self.window.first_live_page(self._lengths[seq_id])
-        gone = self._given_back[seq_id]
+        gone = self._seqs[seq_id].given_back
         if first <= gone:
             return
-        held = self._page_lists[seq_id]
+        held = self._seqs[seq_id].pages
         self._pool.free(held[gone:first])
         held[gone:first] = [UNUSED_PAGE] * (first - gone)
-        self._given_back[seq_id] = first
+        self._seqs[seq_id].given_back = first
 
     def _check_window(self, seq_id: int, length: int, what: str) -> None:
         """Raises if a sequence ``seq_id`` cut to ``length`` tokens would attend to
         positions whose pages it gave back."""
-        gone = self._given_back[seq_id]
+        gone = self._seqs[seq_id].given_back
         if self.window.first_live_page(length) < gone:
             raise ValueError(
                 f"{what}: at {length} tokens seq_id {seq_id}'s sliding window of "
@@ -1127,16 +1132,16 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         self._check_window(seq_id, length, "cannot pop_n")
-        stream = self._streams.get(seq_id)
+        stream = self._seqs[seq_id].stream
         if stream is not None and length <= stream.sink_pages * self.page_size:
             stream.evicted = 0  # what is left is the sequence's first tokens again
-        held = self._page_lists[seq_id]
+        held = self._seqs[seq_id].pages
         keep = self.storage_units(length)
         self._pool.free(reversed(held[keep:]))
         del held[keep:]
         if self._prefix_caching:
-            del self._tokens[seq_id][length:]
-            del self._hashes[seq_id][length // self.page_size :]
+            del self._seqs[seq_id].tokens[length:]
+            del self._seqs[seq_id].hashes[length // self.page_size :]
 
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
         full = fork_pos // self.page_size
@@ -1148,24 +1153,25 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 "and no page is free"
             )
         start = self.window.first_live_page(fork_pos)
-        parent_pages = self._page_lists[parent]
+        parent_pages = self._seqs[parent].pages
         shared = parent_pages[start:full]
         self._pool.share(shared)
         child_pages = [UNUSED_PAGE] * start + shared
         if partial:
             child_pages += self._pool.allocate(1)
-        self._page_lists[child] = child_pages
-        self._given_back[child] = start
-        stream = self._streams.get(parent)
+        state, child_state = self._seqs[parent], self._seqs[child]
+        child_state.pages = child_pages
+        child_state.given_back = start
+        stream = state.stream
         if stream is not None:
             evicted = stream.evicted if fork_pos > stream.sink_pages * self.page_size else 0
-            self._streams[child] = _Stream(stream.window, stream.sink_pages, evicted)
+            child_state.stream = _Stream(stream.window, stream.sink_pages, evicted)
         if self._prefix_caching:
-            self._tokens[child] = self._tokens[parent][:fork_pos]
-            self._salts[child] = self._salts[parent]
-            self._hashes[child] = self._hashes[parent][:full]
-            if self._approximate.get(parent, fork_pos) < fork_pos:
-                self._approximate[child] = self._approximate[parent]
+            child_state.tokens = state.tokens[:fork_pos]
+            child_state.salt = state.salt
+            child_state.hashes = state.hashes[:full]
+        if state.approximate_from is not None and state.approximate_from < fork_pos:
+            child_state.approximate_from = state.approximate_from
         if partial:
             self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
 
@@ -1177,7 +1183,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _copy_on_write(self, seq_id: int, index: int) -> None:
         """Gives ``seq_id`` its own copy of its shared page ``index`` (a free page is there)."""
-        held = self._page_lists[seq_id]
+        held = self._seqs[seq_id].pages
         old = held[index]
         start = index * self.page_size
         end = min(self._lengths[seq_id], start + self.page_size)
