@@ -29,8 +29,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "maxkv"
 METHODS = {
     "pages": ("free_pages", "pages_to_claim"),
     "swap": ("swap_out", "swap_in", "swap_in_pages"),
-    "sinks": ("enable_sliding_window",),
-    "blending": ("read_tokens", "approximate_from", "approximate_position"),
+    "sinks": ("enable_attention_sinks",),
+    "blending": ("read_tokens", "mark_blended", "blended_position"),
 }
 
 
@@ -64,15 +64,15 @@ def test_a_declared_capability_is_implemented_and_an_undeclared_one_refused(kind
         "free_pages": lambda: manager.free_pages,
         "pages_to_claim": lambda: manager.pages_to_claim([1, 2, 3]),
         "swap_out": lambda: manager.swap_out(seq),
-        "enable_sliding_window": lambda: manager.enable_sliding_window(seq, 16, 4),
+        "enable_attention_sinks": lambda: manager.enable_sliding_window(seq, 16, 4),
         "read_tokens": lambda: manager.read_tokens(seq, 0, 2),
-        "approximate_from": lambda: manager.approximate_from(seq, 2),
+        "mark_blended": lambda: manager.approximate_from(seq, 2),
     }
     for capability, methods in METHODS.items():
         declared = getattr(manager.capabilities, capability)
         for method in methods:
             own = getattr(type(manager), method) is not getattr(KVCacheManagerBase, method)
-            assert own == declared or method == "approximate_position", (kind, method)
+            assert own == declared or method == "blended_position", (kind, method)
             if method in calls and not declared:
                 with pytest.raises(ValueError, match=f"no '{capability}' capability"):
                     calls[method]()
@@ -80,12 +80,13 @@ def test_a_declared_capability_is_implemented_and_an_undeclared_one_refused(kind
     assert manager.cache_lengths == {seq: 4}
 
 
-def test_without_blending_no_kv_is_approximate() -> None:
+def test_without_blending_no_kv_is_blended() -> None:
     manager = contiguous(PARAMS, 2, 64)
     (seq,) = manager.claim(1)
-    assert manager.approximate_position(seq) is None
+    assert manager.blended_position(seq) is None
+    assert manager.approximate_position(seq) is None  # the older name
     with pytest.raises(ValueError, match=r"seq_id 1"):
-        manager.approximate_position(1)
+        manager.blended_position(1)
 
 
 @pytest.mark.parametrize(("preemption", "capability"), [("swap", "swap"), ("recompute", "pages")])
@@ -98,11 +99,11 @@ def test_preemption_asks_the_manager_for_its_capability(preemption: str, capabil
 def test_serving_features_ask_the_manager_for_their_capability() -> None:
     params = SimpleNamespace(page_size=4)
     with pytest.raises(ValueError, match="attention sinks need the paged cache, not Hybrid"):
-        MaxkvKVManager(managers()["hybrid"], params, streaming=(16, 4))
+        MaxkvKVManager(managers()["hybrid"], params, sinks=(16, 4))
     blender: Any = SimpleNamespace()
     with pytest.raises(ValueError, match=r"CacheBlend .* needs the paged cache, not Continuous"):
         MaxkvKVManager(contiguous(PARAMS, 2, 64), params, blender=blender)
-    MaxkvKVManager(paged(PARAMS, 4, 16, 2, 64), params, streaming=(16, 4))
+    MaxkvKVManager(paged(PARAMS, 4, 16, 2, 64), params, sinks=(16, 4))
 
 
 def test_no_manager_class_is_tested_above_the_cache() -> None:

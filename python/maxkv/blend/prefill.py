@@ -93,7 +93,7 @@ class BlendedPrefill:
         the new tokens attend to it at every layer.  ``task`` covers
         ``tokens[start:]`` only.  The commit passes no token ids: callers
         with prefix caching mark the blended KV with
-        :meth:`~maxkv.PagedKVCacheManager.approximate_from` and commit
+        :meth:`~maxkv.PagedKVCacheManager.mark_blended` and commit
         through their own protocol instead (see :meth:`write`).
 
         Returns:

@@ -58,7 +58,7 @@ tokens are still cached (vLLM's sliding-window hit rule); ``fork`` and
 ``swap_out`` and the tiers store the pages still held.
 
 Attention sinks (TVM's ``EnableSlidingWindowForSeq``, StreamingLLM), per
-sequence, between rounds: ``enable_sliding_window(seq_id, window, sink)``
+sequence, between rounds: ``enable_attention_sinks(seq_id, window, sink)``
 keeps the sequence's first ``sink`` tokens (in whole pages) and at least its
 last ``window``; when ``step`` commits tokens past that, whole pages of the
 oldest window tokens are dropped and the sequence's positions become places
@@ -152,7 +152,7 @@ class SwappedSequence:
 
 
 @dataclass
-class _Stream:
+class _Sinks:
     """A sequence with attention sinks: its first ``sink_pages`` pages, and at least
     its last ``window`` tokens; ``evicted`` tokens were dropped between them."""
 
@@ -178,11 +178,11 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     salt: str | None = None
     hashes: list[bytes] = field(default_factory=list)
-    #: Its attention sinks (:meth:`PagedKVCacheManager.enable_sliding_window`).
-    stream: _Stream | None = None
-    #: Its KV is approximate (blended) from this position on
-    #: (:meth:`PagedKVCacheManager.approximate_from`).
-    approximate_from: int | None = None
+    #: Its attention sinks (:meth:`PagedKVCacheManager.enable_attention_sinks`).
+    sinks: _Sinks | None = None
+    #: Its KV is blended (CacheBlend: reused from elsewhere) from this position on
+    #: (:meth:`PagedKVCacheManager.mark_blended`).
+    blended_from: int | None = None
 
     def copy(self) -> _Sequence:
         """A deep copy (lists and sink state not shared)."""
@@ -192,8 +192,8 @@ class _Sequence:
             list(self.tokens),
             self.salt,
             list(self.hashes),
-            None if self.stream is None else replace(self.stream),
-            self.approximate_from,
+            None if self.sinks is None else replace(self.sinks),
+            self.blended_from,
         )
 
 
@@ -247,7 +247,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             token): pages are kept until the sequence is released.
         key_rotation: The model's RoPE (:class:`~maxkv.cache.rotation.KeyRotation`,
             e.g. ``DecoderConfig.key_rotation()``), which
-            :meth:`enable_sliding_window` needs to move keys to new positions.
+            :meth:`enable_attention_sinks` needs to move keys to new positions.
 
     Raises:
         ArgumentTypeError: If an argument has the wrong type.
@@ -438,14 +438,14 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 return np.zeros((2, self.num_layers, 0, *shape[4:]), view.dtype)
             return np.concatenate(rows, axis=2)
 
-    def approximate_position(self, seq_id: int) -> int | None:
-        """Where ``seq_id``'s approximate KV starts (:meth:`approximate_from`), or
+    def blended_position(self, seq_id: int) -> int | None:
+        """Where ``seq_id``'s blended KV starts (:meth:`mark_blended`), or
         ``None`` when all of it is exact."""
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            return self._seqs[seq].approximate_from
+            return self._seqs[seq].blended_from
 
-    def approximate_from(self, seq_id: int, position: int) -> None:
+    def mark_blended(self, seq_id: int, position: int) -> None:
         """Marks ``seq_id``'s KV from ``position`` on as approximate (a CacheBlend
         prefill reused it from elsewhere): pages holding any of it are never
         registered in the prefix cache, so no other prompt takes them for the
@@ -458,10 +458,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         position = require_int("position", position, 0)
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            current = self._seqs[seq].approximate_from
-            self._seqs[seq].approximate_from = (
-                position if current is None else min(current, position)
-            )
+            current = self._seqs[seq].blended_from
+            self._seqs[seq].blended_from = position if current is None else min(current, position)
 
     def storage_units(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
@@ -749,11 +747,11 @@ class PagedKVCacheManager(KVCacheManagerBase):
         new_blocks: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for seq_id, ids in tokens.items():
             state = self._seqs[seq_id]
-            if state.stream is not None and state.stream.evicted:
+            if state.sinks is not None and state.sinks.evicted:
                 continue  # its pages hold moved keys: not the prefix their tokens hash to
             held_tokens = state.tokens
             held_tokens.extend(ids)
-            blended = state.approximate_from
+            blended = state.blended_from
             exact = held_tokens[: len(held_tokens) if blended is None else blended]
             hashes = state.hashes
             parent = hashes[-1] if hashes else root_hash(state.salt)
@@ -1016,7 +1014,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     # ------------------------------------------------------ attention sinks
 
-    def enable_sliding_window(self, seq_id: int, window: int, sink: int = 0) -> None:
+    def enable_attention_sinks(self, seq_id: int, window: int, sink: int = 0) -> None:
         """Between rounds: ``seq_id`` keeps its first ``sink`` tokens and at least its
         last ``window`` tokens, with StreamingLLM's positions (TVM's
         ``EnableSlidingWindowForSeq``).
@@ -1054,26 +1052,30 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 )
             if not self.host_pages:
                 raise ValueError("attention sinks rotate keys on the host: a CPU cache only")
-            if self._seqs[seq].stream is not None:
+            if self._seqs[seq].sinks is not None:
                 raise ValueError(f"seq_id {seq} has a sliding window already")
-            self._seqs[seq].stream = _Stream(window, math.ceil(sink / self.page_size))
+            self._seqs[seq].sinks = _Sinks(window, math.ceil(sink / self.page_size))
             self._slide(seq)
 
-    def sliding_window_of(self, seq_id: int) -> tuple[int, int, int] | None:
+    def attention_sinks_of(self, seq_id: int) -> tuple[int, int, int] | None:
         """``(window, sink tokens kept, tokens dropped so far)`` of a sequence with
         attention sinks, else ``None``."""
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            stream = self._seqs[seq].stream
+            stream = self._seqs[seq].sinks
             if stream is None:
                 return None
             return stream.window, stream.sink_pages * self.page_size, stream.evicted
+
+    def sliding_window_of(self, seq_id: int) -> tuple[int, int, int] | None:
+        """The older name of :meth:`attention_sinks_of`."""
+        return self.attention_sinks_of(seq_id)
 
     def _slide(self, seq_id: int) -> None:
         """Drops the whole pages of ``seq_id``'s oldest window tokens past its window
         and moves the keys after them back (a sequence with attention sinks).  With
         no free page for a copy-on-write it waits for a later commit."""
-        stream = self._seqs[seq_id].stream
+        stream = self._seqs[seq_id].sinks
         if stream is None:
             return
         length = self._lengths[seq_id]
@@ -1132,7 +1134,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         self._check_window(seq_id, length, "cannot pop_n")
-        stream = self._seqs[seq_id].stream
+        stream = self._seqs[seq_id].sinks
         if stream is not None and length <= stream.sink_pages * self.page_size:
             stream.evicted = 0  # what is left is the sequence's first tokens again
         held = self._seqs[seq_id].pages
@@ -1162,16 +1164,16 @@ class PagedKVCacheManager(KVCacheManagerBase):
         state, child_state = self._seqs[parent], self._seqs[child]
         child_state.pages = child_pages
         child_state.given_back = start
-        stream = state.stream
+        stream = state.sinks
         if stream is not None:
             evicted = stream.evicted if fork_pos > stream.sink_pages * self.page_size else 0
-            child_state.stream = _Stream(stream.window, stream.sink_pages, evicted)
+            child_state.sinks = _Sinks(stream.window, stream.sink_pages, evicted)
         if self._prefix_caching:
             child_state.tokens = state.tokens[:fork_pos]
             child_state.salt = state.salt
             child_state.hashes = state.hashes[:full]
-        if state.approximate_from is not None and state.approximate_from < fork_pos:
-            child_state.approximate_from = state.approximate_from
+        if state.blended_from is not None and state.blended_from < fork_pos:
+            child_state.blended_from = state.blended_from
         if partial:
             self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
 

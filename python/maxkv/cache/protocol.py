@@ -130,10 +130,10 @@ class CacheCapabilities:
     #: :meth:`~KVCacheManagerBase.swap_in`, :meth:`~KVCacheManagerBase.swap_in_pages`.
     swap: bool = False
     #: StreamingLLM attention sinks per sequence:
-    #: :meth:`~KVCacheManagerBase.enable_sliding_window`.
+    #: :meth:`~KVCacheManagerBase.enable_attention_sinks`.
     sinks: bool = False
     #: CacheBlend: :meth:`~KVCacheManagerBase.read_tokens` and
-    #: :meth:`~KVCacheManagerBase.approximate_from` (KV reused from elsewhere,
+    #: :meth:`~KVCacheManagerBase.mark_blended` (KV reused from elsewhere,
     #: never registered in the prefix cache).
     blending: bool = False
     #: KV tiers below the device (host memory, disk, Redis) behind prefix caching.
@@ -793,27 +793,40 @@ class KVCacheManagerBase(ABC):
         """Continues a swapped-out sequence; returns its new id (capability ``swap``)."""
         self._unsupported("swap", "swap_in")
 
-    def enable_sliding_window(self, seq_id: int, window: int, sink: int = 0) -> None:
+    def enable_attention_sinks(self, seq_id: int, window: int, sink: int = 0) -> None:
         """``seq_id`` keeps its first ``sink`` tokens and its last ``window``
-        (capability ``sinks``)."""
-        self._unsupported("sinks", "enable_sliding_window")
+        (StreamingLLM; capability ``sinks``)."""
+        self._unsupported("sinks", "enable_attention_sinks")
+
+    def enable_sliding_window(self, seq_id: int, window: int, sink: int = 0) -> None:
+        """TVM's name (``EnableSlidingWindowForSeq``) of :meth:`enable_attention_sinks`:
+        a sequence's window with sinks, not a model layer's sliding window."""
+        self.enable_attention_sinks(seq_id, window, sink)
 
     def read_tokens(self, seq_id: int, start: int, end: int) -> np.ndarray:
         """A copy of the K and V of ``seq_id``'s tokens ``[start, end)`` (capability
         ``blending``)."""
         self._unsupported("blending", "read_tokens")
 
-    def approximate_from(self, seq_id: int, position: int) -> None:
-        """Marks ``seq_id``'s KV from ``position`` on as approximate (capability
-        ``blending``)."""
-        self._unsupported("blending", "approximate_from")
+    def mark_blended(self, seq_id: int, position: int) -> None:
+        """Marks ``seq_id``'s KV from ``position`` on as blended (CacheBlend: reused
+        from elsewhere, so never cached for its tokens; capability ``blending``)."""
+        self._unsupported("blending", "mark_blended")
 
-    def approximate_position(self, seq_id: int) -> int | None:
-        """Where ``seq_id``'s approximate KV starts, or ``None``: always ``None``
+    def blended_position(self, seq_id: int) -> int | None:
+        """Where ``seq_id``'s blended KV starts, or ``None``: always ``None``
         without the ``blending`` capability."""
         with self._lock:
             self._validate_ids([seq_id], must_be_claimed=True)
             return None
+
+    def approximate_from(self, seq_id: int, position: int) -> None:
+        """The older name of :meth:`mark_blended`."""
+        self.mark_blended(seq_id, position)
+
+    def approximate_position(self, seq_id: int) -> int | None:
+        """The older name of :meth:`blended_position`."""
+        return self.blended_position(seq_id)
 
     def _unsupported(self, capability: str, method: str) -> NoReturn:
         have = ", ".join(self.capabilities.names()) or "none"

@@ -2,7 +2,7 @@
 
 The model rotates each key by its position when it is stored (RoPE), so a
 key's position is baked into the cache.  Attention sinks with StreamingLLM's
-positions (:meth:`~maxkv.PagedKVCacheManager.enable_sliding_window`) number
+positions (:meth:`~maxkv.PagedKVCacheManager.enable_attention_sinks`) number
 the tokens by their place in the cache: when the oldest window tokens are
 dropped, the keys after them move back by as many positions, which for RoPE
 is one more rotation by minus that many positions (RoPE rotations compose).

@@ -50,7 +50,7 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
             return MaxkvKVManager(
                 model.maxkv_manager,
                 load_kwargs["params"],
-                streaming=model.streaming,
+                sinks=model.sinks,
                 blender=model.blender,
             )
 

@@ -24,7 +24,7 @@ model's input.  Where each piece sits in a request's life:
    and committed; the request then continues as if those tokens had come from
    the prefix cache: MAX's own step computes the suffix and decodes.
    Blended KV is approximate: its pages never enter the prefix cache
-   (:meth:`~maxkv.PagedKVCacheManager.approximate_from`).
+   (:meth:`~maxkv.PagedKVCacheManager.mark_blended`).
 3. **Commit** (``step``, :meth:`ServeBlender.after_step`): once a chunk not
    found is in the cache, its K/V are read from the pages and stored under
    its hash, with the position it was computed at (re-rotated where it is
@@ -419,7 +419,7 @@ class ServeBlender:
         task = CacheBlendRetrieverTask(segments, len(tokens) - cached)
         executor = self.prefill.executor(self.settings.recompute_ratio, self.settings.check_layers)
         self.prefill.write(tokens, task, executor, manager, seq, start=cached)
-        manager.approximate_from(seq, min(max(a, cached) for a, _, _ in found))
+        manager.mark_blended(seq, min(max(a, cached) for a, _, _ in found))
         computed = self.prefill.tokens_per_layer
         return computed[-1] if computed else 0
 

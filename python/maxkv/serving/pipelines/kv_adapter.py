@@ -85,9 +85,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             requests reuse cached prefixes.
         params: MAX's KV cache parameters of the model (the schedulers read
             ``params.page_size`` and a few other fields).
-        streaming: ``(window, sinks)``: every request's sequence keeps its
+        sinks: ``(window, sinks)``: every request's sequence keeps its
             first ``sinks`` tokens and its last ``window``
-            (:meth:`PagedKVCacheManager.enable_sliding_window`); its cache
+            (:meth:`PagedKVCacheManager.enable_attention_sinks`); its cache
             positions then lag its tokens, which maxkv's graph reads from
             the cache.
     """
@@ -97,10 +97,10 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         manager: KVCacheManagerBase,
         params: Any,
         *,
-        streaming: tuple[int, int] | None = None,
+        sinks: tuple[int, int] | None = None,
         blender: ServeBlender | None = None,
     ) -> None:
-        if streaming is not None and not manager.capabilities.sinks:
+        if sinks is not None and not manager.capabilities.sinks:
             raise ValueError(
                 f"maxkv: attention sinks need the paged cache, not {type(manager).__name__}"
             )
@@ -113,7 +113,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         self.blender = blender
         self.manager = manager
         self.params = params
-        self.streaming = streaming
+        #: Attention sinks of every request: ``(window, sink tokens)``, or ``None``.
+        self.sinks = sinks
         self._lock = threading.Lock()
         #: request id -> maxkv sequence id (None until ``alloc`` starts one).
         self._seqs: dict[Any, int | None] = {}
@@ -188,7 +189,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 if self.manager.prefix_caching and tokens.processed_length < tokens.prompt_length:
                     prompt = tokens.prompt.tolist()
                     # Pages of blended KV are never cached: nobody waits for them.
-                    exact = self.manager.approximate_position(seq)
+                    exact = self.manager.blended_position(seq)
                     prompt = prompt if exact is None else prompt[:exact]
                     self._prefilling[ctx.request_id] = (ctx.cache_salt, prompt)
                 ctx.cached_prefix_length = cached
@@ -223,8 +224,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 (seq,), cached = self.manager.claim(1), 0
         except CacheFullError as error:
             raise InsufficientBlocksError(f"maxkv: {error} (--max-batch-size)") from error
-        if self.streaming is not None:
-            self.manager.enable_sliding_window(seq, *self.streaming)
+        if self.sinks is not None:
+            self.manager.enable_attention_sinks(seq, *self.sinks)
         if cached:
             ctx.tokens.skip_processing(cached)
         return seq, cached

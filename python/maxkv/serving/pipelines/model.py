@@ -220,8 +220,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         params = kv_cache_params(config, self.kv_cache_config)
         session = self._session(args, kwargs)
         #: ``(window, sinks)`` every request's cache keeps (attention sinks), or ``None``.
-        self.streaming = streaming_window()
-        if self.streaming is not None and (config.sliding or cache_kind() != "paged"):
+        self.sinks = streaming_window()
+        if self.sinks is not None and (config.sliding or cache_kind() != "paged"):
             raise ValueError(
                 f"{SLIDING_WINDOW_ENV} gives attention sinks to a model whose layers attend "
                 "to every token, on the paged cache"
@@ -245,7 +245,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             tiers=TierConfig.from_env(model_identity(path)),
             layer_windows=() if keep_window_pages() else config.layer_windows,
             step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
-            key_rotation=config.key_rotation() if self.streaming else None,
+            key_rotation=config.key_rotation() if self.sinks else None,
         )
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
@@ -276,12 +276,12 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 self.speculative.prompt_lookup_max,
                 "" if self.speculative.adaptive else " (not adaptive)",
             )
-        if self.streaming is not None:
+        if self.sinks is not None:
             logger.info(
                 "maxkv: attention sinks: every request keeps its first %d tokens (in whole "
                 "pages) and its last %d",
-                self.streaming[1],
-                self.streaming[0],
+                self.sinks[1],
+                self.sinks[0],
             )
 
     def _blender(self, config: Any, weights: Any, session: Any, path: Path) -> ServeBlender | None:
@@ -306,7 +306,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 f"{BLEND_ENV}=1 blends float32 KV: leave --kv-cache-format unset "
                 f"(not {self.maxkv_manager.params.encoding})"
             )
-        if self.streaming is not None:
+        if self.sinks is not None:
             raise ValueError(
                 f"{BLEND_ENV}=1 and attention sinks ({SLIDING_WINDOW_ENV}) exclude each other"
             )
