@@ -189,7 +189,7 @@ def test_increment_between_steps_advances_every_group() -> None:
     for g in range(2):
         assert inputs[4 * g + 1].to_numpy().tolist() == [4, 2]
         assert inputs[4 * g + 3].to_numpy().shape == (2, 2)
-    with pytest.raises(ValueError, match="2 groups' 4-tuples"):
+    with pytest.raises(ValueError, match="expected 2 x 4 values"):
         m.increment_cache_lengths([inputs[:4]], (None, offsets))
 
 

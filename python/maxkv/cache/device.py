@@ -29,7 +29,7 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from ..graph import ops as kv_ops
 from ..graph.types import collection_fetcher
 from ..kernels import kernels_path, load_graph
-from .spec import BATCH_DIM, CacheSpec, KVCacheInputs
+from .spec import BATCH_DIM, CacheSpec, KVCacheInputs, split_inputs
 
 _graphs: weakref.WeakKeyDictionary[InferenceSession, dict[tuple[object, ...], Model]] = (
     weakref.WeakKeyDictionary()
@@ -150,8 +150,8 @@ class MaxCacheDevice:
         ) as graph:
             values = [v.tensor for v in graph.inputs]
             outputs = []
-            for d in range(len(self.devices)):
-                kv = fetch(*values[4 * d : 4 * d + 4])
+            for inputs in split_inputs(values[:-1], len(self.devices)):
+                kv = fetch(*inputs)
                 outputs.append(kv_ops.copy_tokens(params, kv, values[-1]))
             graph.output(*outputs)
         return graph

@@ -55,7 +55,7 @@ from ..validation import require_int
 from .paged import UNUSED_PAGE, PagedKVCacheManager, SwappedSequence, _Prefix
 from .params import KVCacheParams
 from .protocol import CacheCapabilities, CacheDevice, KVCacheManagerBase
-from .spec import CacheInputs, CacheSpec, HybridCacheSpec
+from .spec import CacheInputs, CacheSpec, HybridCacheSpec, split_inputs
 from .window import PageWindow
 
 __all__ = ["HybridKVCacheManager", "layer_groups"]
@@ -613,17 +613,12 @@ class HybridKVCacheManager(KVCacheManagerBase):
         """Protocol step 3, per group (see
         :meth:`KVCacheManagerBase.increment_cache_lengths`); the inputs are the
         groups' 4-tuples one after the other, per device."""
-        n = len(self.groups)
-        for i, inputs in enumerate(kv_cache_inputs):
-            if len(inputs) != 4 * n:
-                raise ValueError(
-                    f"kv_cache_inputs[{i}] must hold {n} groups' 4-tuples, got {len(inputs)} items"
-                )
+        split = [
+            split_inputs(inputs, len(self.groups), f"kv_cache_inputs[{i}] (one per layer group)")
+            for i, inputs in enumerate(kv_cache_inputs)
+        ]
         per_group = [
-            group.increment_cache_lengths(
-                [tuple(inputs[4 * g : 4 * g + 4]) for inputs in kv_cache_inputs],
-                prev_model_inputs,
-            )
+            group.increment_cache_lengths([device[g] for device in split], prev_model_inputs)
             for g, group in enumerate(self.groups)
         ]
         return [

@@ -68,7 +68,14 @@ from ..errors import ArgumentTypeError, CacheFullError
 from ..validation import require_int
 from .params import KVCacheParams
 from .prefix import PrefixCacheStats
-from .spec import CacheInputs, CacheSpec, HybridCacheSpec, KVCacheInputs, KVCacheInputSymbols
+from .spec import (
+    CacheInputs,
+    CacheSpec,
+    HybridCacheSpec,
+    KVCacheInputs,
+    KVCacheInputSymbols,
+    split_inputs,
+)
 
 if TYPE_CHECKING:
     from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
@@ -609,9 +616,7 @@ class KVCacheManagerBase(ABC):
                 f"got {row_offsets.device}"
             )
         for i, inputs in enumerate(kv_cache_inputs):
-            if len(inputs) != 4:
-                raise ValueError(f"kv_cache_inputs[{i}] must be a 4-tuple, got {len(inputs)}")
-            _, lengths, _, max_lengths = inputs
+            ((_, lengths, _, max_lengths),) = split_inputs(inputs, 1, f"kv_cache_inputs[{i}]")
             if max_lengths.shape[0] < 2:
                 raise ValueError(
                     "no further step was fetched: max_lengths has one row left; "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from max.driver import Buffer, Device
 from max.dtype import DType
@@ -77,6 +77,30 @@ class KVCacheInputs(NamedTuple):
 #: One device's graph inputs for a step, as managers return them: a
 #: :class:`KVCacheInputs`, or a hybrid cache's 4-tuples one after the other.
 CacheInputs = tuple[Buffer, ...]
+
+#: How many graph inputs one cache (or one layer group) takes per device: the
+#: fields of :class:`KVCacheInputs`, written nowhere else.
+INPUTS_PER_CACHE = len(KVCacheInputs._fields)
+
+_T = TypeVar("_T")
+
+
+def split_inputs(
+    values: Sequence[_T], caches: int, what: str = "cache inputs"
+) -> list[tuple[_T, ...]]:
+    """One device's inputs of ``caches`` caches one after the other (a hybrid cache's
+    groups; devices' inputs in a graph) -> each cache's :data:`INPUTS_PER_CACHE`.
+
+    Raises:
+        ValueError: If ``values`` does not hold exactly that many (naming ``what``).
+    """
+    if len(values) != INPUTS_PER_CACHE * caches:
+        raise ValueError(
+            f"{what}: expected {caches} x {INPUTS_PER_CACHE} values (KVCacheInputs), "
+            f"got {len(values)}"
+        )
+    n = INPUTS_PER_CACHE
+    return [tuple(values[n * i : n * i + n]) for i in range(caches)]
 
 
 class KVCacheInputSymbols(NamedTuple):

@@ -21,7 +21,7 @@ from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
 from ..cache.params import KVCacheParams
-from ..cache.spec import CacheSpec, HybridCacheSpec
+from ..cache.spec import CacheSpec, HybridCacheSpec, split_inputs
 from .checks import (
     check_host,
     check_on,
@@ -334,9 +334,8 @@ def layer_collections(
     if isinstance(spec, CacheSpec):
         kv = collection_fetcher(spec)(*values)
         return [(kv, i) for i in range(spec.num_layers)]
-    if len(values) != 4 * len(spec.groups):
-        raise ValueError(f"expected {4 * len(spec.groups)} cache inputs, got {len(values)}")
     collections = [
-        collection_fetcher(group)(*values[4 * g : 4 * g + 4]) for g, group in enumerate(spec.groups)
+        collection_fetcher(group)(*inputs)
+        for group, inputs in zip(spec.groups, split_inputs(values, len(spec.groups)), strict=True)
     ]
     return [(collections[g], i) for g, i in spec.layers]
