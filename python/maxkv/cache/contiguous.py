@@ -113,8 +113,9 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
         head_width]``; axis 1 is 0 for keys, 1 for values.
         """
         n = require_int("n_sequences", n_sequences, 1)
-        p = self.params
-        return [n, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_width]
+        spec = self.spec
+        assert isinstance(spec, CacheSpec)
+        return spec.allocated_shape(n, self.max_seq_len)
 
     @classmethod
     def estimated_memory_size(

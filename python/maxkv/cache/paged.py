@@ -334,9 +334,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def pages_shape(self, num_pages: int) -> list[int]:
         """Shape of one device's pages buffer: ``[num_pages, 2, num_layers,
         page_size, n_kv_heads_per_device, head_width]`` (axis 1: 0 keys, 1 values)."""
-        n = require_int("num_pages", num_pages, 1)
-        p = self.params
-        return [n, 2, self.num_layers, self.page_size, p.n_kv_heads_per_device, p.head_width]
+        spec = self.spec
+        assert isinstance(spec, CacheSpec)  # one cache (a hybrid's groups are each one)
+        return spec.allocated_shape(require_int("num_pages", num_pages, 1))
 
     @classmethod
     def estimated_memory_size(

@@ -163,6 +163,18 @@ class CacheSpec:
             return [pages, 2, self.num_layers, self.page_size, heads, dim]
         return [SLOTS_DIM, 2, self.num_layers, SEQ_LEN_DIM, heads, dim]
 
+    def allocated_shape(self, count: int, max_seq_len: int | None = None) -> list[int]:
+        """:meth:`blocks_shape` of an allocated cache: ``count`` pages (paged) or
+        slots of ``max_seq_len`` tokens (contiguous); the one definition of the
+        block layout the managers allocate."""
+        shape = self.blocks_shape()
+        shape[0] = count
+        if self.kind == "contiguous":
+            if max_seq_len is None:
+                raise ValueError("a contiguous cache's shape needs max_seq_len")
+            shape[3] = max_seq_len
+        return [int(n) for n in shape]
+
     def input_symbols(self, devices: Sequence[Device | DeviceRef]) -> list[KVCacheInputSymbols]:
         """The graph input types of one step, one :class:`KVCacheInputSymbols` per device.
 
