@@ -714,6 +714,49 @@ def test_max_serve_replicas_share_signed_prefixes_through_redis_and_refuse_forge
         assert "dropped block" in log and "signature: the MAC does not verify" in log
 
 
+@pytest.mark.serve
+@pytest.mark.redis
+def test_max_serve_gemma3_replicas_share_every_layer_groups_prefix_through_redis(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Gemma 3 (a random checkpoint) on the hybrid cache: a first server writes both
+    layer groups' pages to a signed Redis; a second server starts with them, loads
+    the prompt's prefix (the sliding group its window's pages) and answers
+    transformers' text."""
+    import redis
+    from transformers import AutoTokenizer
+
+    requires_transformers()
+    from .pipeline_helpers import make_tiny_family_dir
+
+    directory = make_tiny_family_dir(tmp_path_factory.mktemp("gemma3-redis"), "gemma3", seed=3)
+    ids = AutoTokenizer.from_pretrained(str(directory))(LONG_PROMPT)["input_ids"]
+    pages = (len(ids) - 1) // 16
+    assert pages * 16 > 128  # past the sliding layers' window
+    env = {"MAXKV_REDIS_URL": redis_server.url, "MAXKV_TIER_SECRET": "gemma3-serve-secret-01"}
+    client = redis.Redis.from_url(redis_server.url)
+    expected = transformers_completion(directory, LONG_PROMPT, NEW_TOKENS)
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    with running_server(directory, tmp_path / "a", env) as first:
+        status, body = complete(first, LONG_PROMPT)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        deadline = time.monotonic() + 60  # the stores' threads write both groups' pages
+        while sum(b"#" not in k for k in client.keys("maxkv@*")) < 2 * pages:
+            assert time.monotonic() < deadline, "the first server did not write both groups"
+            time.sleep(0.2)
+    with running_server(directory, tmp_path / "b", env) as second:
+        status, body = complete(second, LONG_PROMPT)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        allocs = [e for e in settled_events(second, 0) if e["event"] == "alloc"]
+        assert allocs[0]["cached_prefix"] == pages * 16  # nothing on this server's device
+        log = second.log.read_text()
+        assert "hybrid paged cache" in log and "(per group, 2 groups)" in log
+        assert "Redis redis://127.0.0.1" in log and "gemma3-serve-secret" not in log
+
+
 @pytest.mark.unit
 def test_redis_tier_without_a_secret_refuses_to_start() -> None:
     from maxkv.tiers import TierConfig
