@@ -442,3 +442,20 @@ def test_a_hybrid_cache_whose_groups_all_slide_holds_any_length() -> None:
     )
     assert [g.window.slides for g in m.groups] == [True]
     assert m.longest_sequence == 256  # no full-attention group bounds it
+
+
+def test_each_group_gets_tiers_of_its_own_and_a_share_of_the_budgets() -> None:
+    tiers = TierConfig(model_id="m", host_bytes=3 << 20, swap_bytes=4 << 20)
+    m = hybrid(enable_prefix_caching=True, tiers=tiers)
+    try:
+        configs = [g.tiers.config for g in m.groups if g.tiers is not None]
+        assert [c.model_id for c in configs] == [f"m#window={WINDOW}", "m#window=none"]
+        # Three sliding layers to one full: the budgets split 3:1, never above the total.
+        assert [c.host_bytes for c in configs] == [(3 << 20) * 3 // 4, (3 << 20) // 4]
+        assert sum(c.swap_bytes for c in configs) <= 4 << 20
+        assert m.groups[0].block_layout("m#window=6") != m.groups[1].block_layout("m#window=6")
+        assert "(per group, 2 groups)" in m.describe()
+    finally:
+        m.close()
+    with pytest.raises(ValueError, match="need enable_prefix_caching"):
+        hybrid(tiers=tiers)
