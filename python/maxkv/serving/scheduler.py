@@ -16,7 +16,8 @@ One *round*:
    written to the cache (with their ids, which prefix caching records),
    finish requests at ``max_new_tokens`` or an EOS token, ``release`` them.
 
-Over a paged cache (:class:`~maxkv.PagedKVCacheManager`) the scheduler runs
+Over a paged cache (:class:`~maxkv.PagedKVCacheManager`, or the hybrid cache of a
+model with windowed layers: every layer group) the scheduler runs
 one of three policies for pages (``preemption=``):
 
 - ``"wait"`` (the default): a request is admitted only when the pages it can
@@ -207,7 +208,8 @@ class ContinuousBatchingScheduler:
         stop_at_eos: Finish a request at the model's EOS token; ``False``
             always generates ``max_new_tokens`` (for benchmarks).
         preemption: ``"wait"``, ``"swap"`` or ``"recompute"`` (see the module
-            docstring); the last two need a paged cache and greedy decoding
+            docstring); the last two need the paged or the hybrid cache (its
+            ``swap`` / ``pages`` capability) and greedy decoding
             (a forked request's completions are never preempted apart).
         speculative: Prompt-lookup speculative decoding (see the module
             docstring); needs a model built with ``head_rows="given"``, which
@@ -233,7 +235,7 @@ class ContinuousBatchingScheduler:
         if needs is not None and not getattr(manager.capabilities, needs):
             raise ValueError(
                 f"preemption={preemption!r} needs a cache with the {needs!r} capability "
-                f"(a PagedKVCacheManager), not {type(manager).__name__}"
+                f"(the paged or the hybrid cache), not {type(manager).__name__}"
             )
         if max_batch_size < 1 or num_steps < 1:
             raise ValueError(
