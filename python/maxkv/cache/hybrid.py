@@ -52,7 +52,7 @@ from max.engine import InferenceSession
 from ..errors import ArgumentTypeError, CacheFullError
 from ..tiers.store import TierConfig
 from ..validation import require_int
-from .paged import UNUSED_PAGE, PagedKVCacheManager, SwappedSequence, _Prefix
+from .paged import UNUSED_PAGE, PagedKVCacheManager, SwappedSequence, _Prefix, held_runs
 from .params import KVCacheParams
 from .protocol import CacheCapabilities, CacheDevice, KVCacheManagerBase
 from .spec import CacheInputs, CacheSpec, HybridCacheSpec, split_inputs
@@ -460,8 +460,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
         with self._lock:
             self._require_prefix_caching("prefix_hits")
             tokens = self._prompt(prompt)
-            on_device, _ = self._prefix_plans(tokens, salt, tiers=False)
-            reused, _ = self._prefix_plans(tokens, salt)
+            looks = [group._lookup(tokens, salt) for group in self.groups]  # hashed once
+            on_device, _ = self._longest(looks, tiers=False)
+            reused, _ = self._longest(looks, tiers=True)
             return on_device, reused - on_device
 
     def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:
@@ -486,17 +487,22 @@ class HybridKVCacheManager(KVCacheManagerBase):
     ) -> tuple[int, list[_Prefix]]:
         """The most pages every group can reuse (from the device, then from its KV
         tiers unless not ``tiers``), and each group's plan for them."""
-        looks = [group._lookup(tokens, salt) for group in self.groups]
-        helds = [
-            g._held(hashes, found) if tiers else [p is not None for p in found]
-            for g, (hashes, found, _) in zip(self.groups, looks, strict=True)
+        return self._longest([group._lookup(tokens, salt) for group in self.groups], tiers)
+
+    def _longest(
+        self, looks: list[tuple[list[bytes], list[int | None], list[int]]], tiers: bool
+    ) -> tuple[int, list[_Prefix]]:
+        """:meth:`_prefix_plans` over each group's :meth:`PagedKVCacheManager._lookup`."""
+        runs = [
+            held_runs(g._held(hashes, found)) if tiers else device_runs
+            for g, (hashes, found, device_runs) in zip(self.groups, looks, strict=True)
         ]
         for m in range(len(looks[0][0]), 0, -1):
-            plans = [
-                g._prefix_at(look[0], look[1], held, m)
-                for g, look, held in zip(self.groups, looks, helds, strict=True)
-            ]
-            if all(plan is not None for plan in plans):
+            if all(g._prefix_fits(r, m) for g, r in zip(self.groups, runs, strict=True)):
+                plans = [
+                    g._prefix_at(hashes, found, r, m)
+                    for g, (hashes, found, _), r in zip(self.groups, looks, runs, strict=True)
+                ]
                 return m, [plan for plan in plans if plan is not None]
         return 0, [_Prefix(0, [], look[0], 0) for look in looks]
 

@@ -197,6 +197,11 @@ class _Sequence:
         )
 
 
+def held_runs(held: list[bool]) -> list[int]:
+    """Per page, how many pages in a row up to it (itself included) are held."""
+    return list(itertools.accumulate(held, lambda run, h: run + 1 if h else 0, initial=0))[1:]
+
+
 @dataclass
 class _Prefix:
     """A prefix a claim can reuse: pages ``[start, start + len(pages))`` on the
@@ -561,7 +566,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         best = _Prefix(0, pages, hashes, in_tiers)
         if self.window.slides:
             for m in range(len(hashes), best.reused, -1):
-                plan = self._device_prefix_at(hashes, found, runs, m)
+                plan = self._prefix_at(hashes, found, runs, m)
                 if plan is not None:
                     return plan
         return best
@@ -573,24 +578,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         under each, and per page how many pages in a row up to it are registered."""
         hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
         found = [self._pool.lookup(block) for block in hashes]
-        runs = list(
-            itertools.accumulate(
-                found, lambda run, page: run + 1 if page is not None else 0, initial=0
-            )
-        )[1:]
-        return hashes, found, runs
-
-    def _device_prefix_at(
-        self, hashes: list[bytes], found: list[int | None], runs: list[int], m: int
-    ) -> _Prefix | None:
-        """Reusing exactly ``m`` pages from the device, if it holds all this cache's
-        layers need of them (the pages of the window, or all ``m``); else ``None``."""
-        if m == 0:
-            return _Prefix(0, [], hashes, 0)
-        start = self.window.first_live_page(m * self.page_size)
-        if runs[m - 1] < m - start:
-            return None
-        return _Prefix(start, [p for p in found[start:m] if p is not None], hashes, 0)
+        return hashes, found, held_runs([page is not None for page in found])
 
     def _held(self, hashes: list[bytes], found: list[int | None]) -> list[bool]:
         """Per full page of a prompt (:meth:`_lookup`): whether the device or a KV tier
@@ -605,27 +593,32 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 held[i] = bool(there)
         return held
 
+    def _prefix_fits(self, runs: list[int], m: int) -> bool:
+        """Whether reusing exactly ``m`` pages gives this cache's layers all they need
+        of them (the pages of the window, or all ``m``); ``runs``: per page, how many
+        pages in a row up to it are held (:func:`held_runs`)."""
+        return m == 0 or runs[m - 1] >= m - self.window.first_live_page(m * self.page_size)
+
     def _prefix_at(
-        self, hashes: list[bytes], found: list[int | None], held: list[bool], m: int
+        self, hashes: list[bytes], found: list[int | None], runs: list[int], m: int
     ) -> _Prefix | None:
-        """Reusing exactly ``m`` pages, if this cache's layers get all they need of
-        them (the pages of the window, or all ``m``): device pages from the first
-        page needed, then blocks loaded from the tiers (``held``: :meth:`_held`); a
-        block a tier holds whose page is also on the device is shared, not copied
-        (the registry gives the registered page back); else ``None``."""
+        """Reusing exactly ``m`` pages (:meth:`_prefix_fits`; else ``None``): device
+        pages from the first page needed, then blocks loaded from the tiers.  With
+        ``runs`` of the device's pages alone (:meth:`_lookup`) every page is on the
+        device; with those of :meth:`_held` the tiers give the rest, and a block
+        whose page is on the device after all is shared, not copied (the registry
+        gives the registered page back)."""
+        if not self._prefix_fits(runs, m):
+            return None
         if m == 0:
             return _Prefix(0, [], hashes, 0)
         start = self.window.first_live_page(m * self.page_size)
-        i = start
         pages: list[int] = []
-        while i < m and (page := found[i]) is not None:
+        for page in found[start:m]:
+            if page is None:
+                break
             pages.append(page)
-            i += 1
-        in_tiers = 0
-        while i < m and held[i]:
-            in_tiers += 1
-            i += 1
-        return _Prefix(start, pages, hashes, in_tiers) if i == m else None
+        return _Prefix(start, pages, hashes, m - start - len(pages))
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
         """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
