@@ -344,32 +344,39 @@ def chat_first_token(server: Server, messages: list[dict[str, str]]) -> tuple[in
     return response.status, str(answer["choices"][0]["message"]["content"])
 
 
+#: The questions the test asks (of the corpus' 36): enough to catch a blend that
+#: reads the wrong pages or positions, few enough for the suite.  The sweep over
+#: all 36, in both chunk modes, is ``benchmarks/cacheblend_selection.py``'s.
+RAG_QUESTIONS = 12
+
+
 @pytest.mark.serve
-@pytest.mark.parametrize("chunk_context", ["request", "none"])
 def test_max_serve_blended_first_tokens_match_full_prefill_on_the_rag_corpus(
-    smollm2_hf_dir: Path, tmp_path: Path, chunk_context: str
+    smollm2_hf_dir: Path, tmp_path: Path
 ) -> None:
-    """SmolLM2 behind ``max serve`` with MAXKV_BLEND=1 (the default ratio 0.15 and
-    check layer 1), chunks stored as computed in a request or alone: two requests
-    store the corpus' 10 passages, then each of its 36 questions is blended from
-    them, in its own order of passages.  Its first token equals transformers'
-    greedy first token after the same token ids (full prefill, float32) on at
-    least 90% of them (the library measured 33/36; here 35 and 34 when last run)."""
+    """SmolLM2 behind ``max serve`` with MAXKV_BLEND=1 (the default ratio 0.15,
+    check layer 1 and chunks stored as computed in a request): two requests
+    store the corpus' 10 passages, then each of its first 12 questions is
+    blended from them, in its own order of passages.  Its first token equals
+    transformers' greedy first token after the same token ids (full prefill,
+    float32) on at least 11 of them (12 of 12 when last run; the chunk-alone
+    mode is checked for exact text by the Redis test above)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     corpus = json.loads(CORPUS.read_text())
     names = sorted(corpus["chunks"])
+    questions = corpus["questions"][:RAG_QUESTIONS]
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32)
-    env = {"MAXKV_BLEND": "1", "MAXKV_BLEND_CHUNK_CONTEXT": chunk_context}
+    env = {"MAXKV_BLEND": "1"}
     flags = ("--max-length", "2048", "--max-batch-input-tokens", "8192")
     with running_server(smollm2_hf_dir, tmp_path, env, flags=flags) as server:
         for half in (names[:5], names[5:]):  # the store gets every passage
             status, _ = chat_first_token(server, rag_messages(corpus, half, "Hello?"))
             assert status == 200
-        same = 0
-        for q in corpus["questions"]:
+        same = []
+        for q in questions:
             messages = rag_messages(corpus, q["chunks"], q["question"])
             status, first = chat_first_token(server, messages)
             assert status == 200
@@ -382,8 +389,8 @@ def test_max_serve_blended_first_tokens_match_full_prefill_on_the_rag_corpus(
             ]
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1]
-            same += tokenizer.decode([int(logits.argmax())]) == first
+            same.append(tokenizer.decode([int(logits.argmax())]) == first)
         counts = totals(server.log.read_text())
-    print(f"blended first tokens equal to full prefill's: {same}/{len(corpus['questions'])}")
-    assert counts["blended"] >= 36 and counts["hits"] >= 36 * 4
-    assert same >= 0.9 * len(corpus["questions"]), f"{same} of {len(corpus['questions'])}"
+    print(f"blended first tokens equal to full prefill's: {sum(same)}/{len(same)}: {same}")
+    assert counts["blended"] >= len(questions) and counts["hits"] >= len(questions) * 4
+    assert sum(same) >= len(questions) - 1, f"{sum(same)} of {len(questions)}"

@@ -405,14 +405,15 @@ TestHybridTierStateMachine = HybridTierMachine.TestCase
 
 
 def test_every_kind_of_cache_reports_its_occupancy_the_same_way() -> None:
-    """The interface schedulers and MAX's adapter read (``free_units``,
-    ``total_units``, ``units_held``, ``longest_sequence``, ``prefix_hits``,
+    """The interface schedulers and MAX's adapter read (``units_for``,
+    ``free_units``, ``total_units``, ``units_held``, ``longest_sequence``, ``prefix_hits``,
     ``describe``), on a contiguous, a paged and a hybrid cache."""
     from . import fakes
 
     slots = fakes.contiguous(PARAMS, 3, 32, num_layers=2, enable_prefix_caching=True)
     (seq,) = slots.claim(1)
     assert (slots.free_units, slots.total_units, slots.units_held(seq)) == (2, 3, [seq])
+    assert slots.units_for(32) == 1  # a slot, whatever the length
     assert slots.longest_sequence == 32
     assert slots.describe().startswith("contiguous cache: 3 slots x 32 tokens")
 
@@ -420,6 +421,7 @@ def test_every_kind_of_cache_reports_its_occupancy_the_same_way() -> None:
     (seq,) = pages.claim(1)
     pages.reserve({seq: 9})  # 3 pages of 4 tokens
     assert (pages.free_units, pages.total_units) == (3, 6)
+    assert (pages.units_for(8), pages.units_for(9)) == (2, 3)
     assert pages.units_held(seq) == list(pages.pages(seq)) and len(pages.units_held(seq)) == 3
     assert pages.longest_sequence == 6 * PAGE  # the pages hold fewer than max_seq_len
     assert pages.prefix_hits([1, 2, 3, 4, 5]) == (0, 0)
@@ -428,9 +430,12 @@ def test_every_kind_of_cache_reports_its_occupancy_the_same_way() -> None:
     m = hybrid(pages=(8, 5))
     (seq,) = m.claim(1)
     m.reserve({seq: 6})
+    # Units are the full-attention group's pages (8 in the sliding group, 5 here):
+    # they bound how many tokens fit; the sliding group's pages are raw pages.
     held = m.units_held(seq)
-    assert len(held) == 2 * 2 and UNUSED_PAGE not in held  # two pages in each group
-    assert (m.free_units, m.total_units) == (13 - len(held), 13)
+    assert held == list(m.group_pages(seq)[1]) and len(held) == 2
+    assert (m.free_units, m.total_units) == (5 - 2, 5)
+    assert m.free_pages == 13 - 2 * 2  # two pages in each group
     assert [g.window.window for g in m.groups] == [WINDOW, None]
     assert m.longest_sequence == 5 * PAGE  # the full-attention group's 5 pages
     assert m.describe().startswith(f"hybrid paged cache, pages of {PAGE} tokens")

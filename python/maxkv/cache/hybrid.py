@@ -304,19 +304,19 @@ class HybridKVCacheManager(KVCacheManagerBase):
         with self._lock:
             return tuple(group.pages(seq_id) for group in self.groups)
 
-    def storage_units(self, tokens: int) -> int:
-        """Pages of a full-attention group a sequence of ``tokens`` tokens holds at
+    @property
+    def _bounding(self) -> PagedKVCacheManager:
+        """The group whose pages bound how many tokens fit: the full-attention one
+        (the smallest when every group slides).  Its pages are the cache's units."""
+        full = [g for g in self.groups if not g.window.slides]
+        return min(full or self.groups, key=lambda g: g.num_pages)
+
+    def units_for(self, tokens: int) -> int:
+        """Pages of the full-attention group a sequence of ``tokens`` tokens holds at
         most (the sliding groups hold fewer: :meth:`plan_pages` sizes them for the
         batch's windows and one step; a step one of them has no room for raises
         ``CacheFullError``)."""
         return math.ceil(tokens / self.page_size)
-
-    @property
-    def total_storage_units(self) -> int:
-        """Pages of the full-attention group (the one that bounds how many tokens
-        fit; of the smallest group when every group slides)."""
-        full = [g.num_pages for g in self.groups if not g.window.slides]
-        return min(full or [g.num_pages for g in self.groups])
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -332,17 +332,19 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     @property
     def free_units(self) -> int:
-        """Free pages of every group together."""
-        return self.free_pages
+        """Free pages of the full-attention group (see :attr:`_bounding`)."""
+        return self._bounding.free_pages
 
     @property
     def total_units(self) -> int:
-        """Pages of every group together."""
-        return self.num_pages
+        """Pages of the full-attention group (see :attr:`_bounding`)."""
+        return self._bounding.num_pages
 
     def units_held(self, seq_id: int) -> list[int]:
-        """The pages ``seq_id`` holds in every group (those given back left out)."""
-        return [p for row in self.group_pages(seq_id) for p in row if p != UNUSED_PAGE]
+        """The pages ``seq_id`` holds in the full-attention group (see
+        :attr:`_bounding`; :meth:`group_pages` has every group's)."""
+        with self._lock:
+            return [p for p in self._bounding.pages(seq_id) if p != UNUSED_PAGE]
 
     @property
     def longest_sequence(self) -> int:

@@ -466,16 +466,14 @@ class PagedKVCacheManager(KVCacheManagerBase):
             current = self._seqs[seq].blended_from
             self._seqs[seq].blended_from = position if current is None else min(current, position)
 
-    def storage_units(self, tokens: int) -> int:
+    def units_for(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
         step computes them at once (with a sliding window, fewer once committed:
         :meth:`PageWindow.live_pages <maxkv.cache.window.PageWindow.live_pages>`)."""
-        return math.ceil(tokens / self.page_size)
+        return self._pages_for(tokens)
 
-    @property
-    def total_storage_units(self) -> int:
-        """Pages in the cache."""
-        return self.num_pages
+    def _pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
 
     @property
     def free_units(self) -> int:
@@ -632,7 +630,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 plan = self._prefix_plan(tokens, salt, tiers=False)
                 held = sum(1 for p in plan.pages if self._pool.refcount(p) > 0)
                 start = plan.start
-            return self.storage_units(len(tokens)) - start - held
+            return self._pages_for(len(tokens)) - start - held
 
     @property
     def host_pages(self) -> bool:
@@ -977,7 +975,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id, total in zip(seq_ids, totals, strict=True):
             held = self._seqs[seq_id].pages
             first_written = self._lengths[seq_id] // self.page_size
-            last = self.storage_units(total)
+            last = self._pages_for(total)
             shared = [
                 i for i in range(first_written, min(last, len(held))) if self._shared(held[i])
             ]
@@ -1078,7 +1076,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if drop <= 0:
             return
         held = self._seqs[seq_id].pages
-        moved = range(first + drop, self.storage_units(length))
+        moved = range(first + drop, self._pages_for(length))
         shared = [i for i in moved if self._shared(held[i])]
         if len(shared) > self._pool.free_count:
             return
@@ -1131,7 +1129,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if stream is not None and length <= stream.sink_pages * self.page_size:
             stream.evicted = 0  # what is left is the sequence's first tokens again
         held = self._seqs[seq_id].pages
-        keep = self.storage_units(length)
+        keep = self._pages_for(length)
         self._pool.free(reversed(held[keep:]))
         del held[keep:]
         if self._prefix_caching:

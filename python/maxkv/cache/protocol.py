@@ -289,20 +289,19 @@ class KVCacheManagerBase(ABC):
         del seq_id
         return self.max_seq_len
 
-    def storage_units(self, tokens: int) -> int:
-        """Storage units (pages) a sequence of ``tokens`` tokens takes beyond its id;
-        0 where each id owns its storage (contiguous slots).  For schedulers."""
-        del tokens
-        return 0
-
-    @property
-    def total_storage_units(self) -> int:
-        """Storage units (pages) of the whole cache; 0 for contiguous slots."""
-        return 0
-
     # ------------------------------------------------------------ occupancy
-    # What schedulers and MAX's adapter read, the same for every kind of cache:
-    # a unit is a page (paged caches) or a slot (contiguous).
+    # One vocabulary for schedulers and MAX's adapter, the same for every kind
+    # of cache: a *unit* is what bounds how many sequences fit, a slot
+    # (contiguous) or a page (paged; a hybrid cache's full-attention group,
+    # whose pages bound how many tokens fit, the sliding groups being sized for
+    # the batch's windows).  Raw page counts of every group are the ``pages``
+    # capability's (:attr:`free_pages`).
+
+    def units_for(self, tokens: int) -> int:
+        """Units one sequence of ``tokens`` tokens holds at most: 1 (its slot), or
+        its pages while a step computes them all at once."""
+        del tokens
+        return 1
 
     @property
     def free_units(self) -> int:
@@ -312,7 +311,7 @@ class KVCacheManagerBase(ABC):
 
     @property
     def total_units(self) -> int:
-        """Units of the whole cache: slots, or pages (every group's)."""
+        """Units of the whole cache: slots, or pages."""
         return self.max_batch_size
 
     def units_held(self, seq_id: int) -> list[int]:

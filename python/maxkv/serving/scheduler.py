@@ -137,13 +137,14 @@ class SchedulerStats:
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     forks: int = 0
-    #: Times admission waited for pages held by running requests.
+    #: Times admission waited for units (pages or slots) held by running requests.
     page_waits: int = 0
     #: Requests preempted (swapped out, or released to be recomputed).
     preemptions: int = 0
     #: Tokens computed again after a preemption by recompute.
     recomputed_tokens: int = 0
-    #: Most storage units (pages) held at once, after a round's fetch.
+    #: Most units (pages, or slots of a contiguous cache) held at once, after a
+    #: round's fetch (:attr:`KVCacheManagerBase.total_units`).
     peak_units_in_use: int = 0
     #: Draft tokens proposed, and those accepted (speculative decoding).
     draft_tokens: int = 0
@@ -343,11 +344,12 @@ class ContinuousBatchingScheduler:
                 f"prompt of {len(tokens)} + {max_new_tokens} new tokens (+{self.num_steps - 1} "
                 f"multistep) needs {needed} cache positions; the limit is {limit}"
             )
-        units = n * self.manager.storage_units(needed)
-        if units > self.manager.total_storage_units > 0:
+        units = n * self.manager.units_for(needed)
+        if units > self.manager.total_units:
+            kind = "pages" if self.manager.capabilities.pages else "slots"
             raise ValueError(
-                f"{n} completion(s) of {needed} cache positions need up to {units} pages; "
-                f"the cache has {self.manager.total_storage_units}"
+                f"{n} completion(s) of {needed} cache positions need up to {units} {kind}; "
+                f"the cache has {self.manager.total_units}"
             )
         request = Request(
             len(self._requests), tokens, max_new_tokens, temperature, n, seed, pending=tokens
@@ -433,13 +435,12 @@ class ContinuousBatchingScheduler:
             # Room for the request and the completions it will fork.
             if len(new) + request.n > room:
                 break
-            units = self.manager.storage_units(
+            units = self.manager.units_for(
                 positions_needed(len(request.prompt), request.max_new_tokens, self.num_steps)
             )
-            total = self.manager.total_storage_units
-            if total and self._reserved_units + request.n * units > total:
+            if self._reserved_units + request.n * units > self.manager.total_units:
                 stats.page_waits += 1
-                break  # wait for a release: the pages it may need are not all free
+                break  # wait for a release: the units it may need are not all free
             self._reserved_units += request.n * units
             request.reserved_units = units
             self._waiting.popleft()
@@ -722,9 +723,8 @@ class ContinuousBatchingScheduler:
         return self._lookup.propose(request.context, k) if k else []
 
     def _count_units(self, stats: SchedulerStats) -> None:
-        if self.manager.total_storage_units:  # pages (slots are counted apart)
-            held = self.manager.total_units - self.manager.free_units
-            stats.peak_units_in_use = max(stats.peak_units_in_use, held)
+        held = self.manager.total_units - self.manager.free_units
+        stats.peak_units_in_use = max(stats.peak_units_in_use, held)
 
     def _append_outputs(
         self, batch: list[Request], generated: list[list[int]], stats: SchedulerStats
