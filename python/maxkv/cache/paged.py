@@ -105,7 +105,7 @@ from .protocol import (
     validate_sizes,
 )
 from .rotation import KeyRotation
-from .spec import CacheInputs, CacheSpec, KVCacheInputs
+from .spec import CacheInputs, CacheSpec, KVCacheInputs, kv_block_shape
 from .window import PageWindow
 
 if TYPE_CHECKING:
@@ -439,8 +439,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 lo, hi = max(start, first) - first, min(end, first + self.page_size) - first
                 rows.append(view[page, :, :, lo:hi])
             if not rows:
-                shape = self.pages_shape(1)
-                return np.zeros((2, self.num_layers, 0, *shape[4:]), view.dtype)
+                heads, width = self.pages_shape(1)[4:]
+                return np.zeros(kv_block_shape(self.num_layers, 0, heads, width), view.dtype)
             return np.concatenate(rows, axis=2)
 
     def blended_position(self, seq_id: int) -> int | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar, overload
 
 from max.driver import Buffer, Device
 from max.dtype import DType
@@ -50,6 +50,28 @@ SEQ_LEN_DIM = "kv_max_seq_len"
 #: Symbolic dims of the paged cache's page count and page-table width.
 PAGES_DIM = "kv_num_pages"
 PAGE_TABLE_WIDTH_DIM = "kv_max_pages_per_seq"
+
+
+@overload
+def kv_block_shape(
+    num_layers: int, tokens: int, heads: int, head_width: int
+) -> tuple[int, ...]: ...
+@overload
+def kv_block_shape(
+    num_layers: int, tokens: int | str, heads: int, head_width: int
+) -> tuple[int | str, ...]: ...
+def kv_block_shape(
+    num_layers: int, tokens: int | str, heads: int, head_width: int
+) -> tuple[int | str, ...]:
+    """The block layout, defined here once: the keys and values of ``tokens``
+    tokens of every layer, ``[2, num_layers, tokens, heads, head_width]`` (axis
+    0: 0 keys, 1 values; ``head_width``: :attr:`KVCacheParams.head_width`).
+
+    A contiguous slot (``tokens`` = ``max_seq_len``), a page (``page_size``),
+    a host-tier, disk or Redis block (a page per device) and a CacheBlend chunk
+    all have it; a cache's ``blocks`` stack them on a first axis.
+    """
+    return (2, num_layers, tokens, heads, head_width)
 
 
 class KVCacheInputs(NamedTuple):
@@ -160,8 +182,8 @@ class CacheSpec:
         if self.kind == "paged":
             assert self.page_size is not None
             pages = PAGES_DIM if self.group == 0 else f"{PAGES_DIM}_{self.group}"
-            return [pages, 2, self.num_layers, self.page_size, heads, dim]
-        return [SLOTS_DIM, 2, self.num_layers, SEQ_LEN_DIM, heads, dim]
+            return [pages, *kv_block_shape(self.num_layers, self.page_size, heads, dim)]
+        return [SLOTS_DIM, *kv_block_shape(self.num_layers, SEQ_LEN_DIM, heads, dim)]
 
     def allocated_shape(self, count: int, max_seq_len: int | None = None) -> list[int]:
         """:meth:`blocks_shape` of an allocated cache: ``count`` pages (paged) or

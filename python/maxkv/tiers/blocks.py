@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.spec import kv_block_shape
 from .auth import CIPHER, MAC_BYTES, NONCE_BYTES, Keyring
 
 __all__ = ["MAGIC", "BlockInvalid", "BlockLayout", "decode_block", "encode_block"]
@@ -102,9 +103,13 @@ class BlockLayout:
         return hashlib.blake2b(text, digest_size=8).hexdigest()
 
     def page_shape(self) -> tuple[int, ...]:
-        """A page block's shape: ``[devices, 2, layers, page_size, heads/devices, head_dim]``."""
+        """A page block's shape: a page per device, ``[devices, 2, layers, page_size,
+        heads/devices, head_dim]`` (:func:`~maxkv.cache.spec.kv_block_shape`)."""
         heads = self.n_kv_heads // self.devices
-        return (self.devices, 2, self.num_layers, self.page_size, heads, self.head_dim)
+        return (
+            self.devices,
+            *kv_block_shape(self.num_layers, self.page_size, heads, self.head_dim),
+        )
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """Raises :class:`BlockInvalid` unless ``shape`` is a block of this layout.
@@ -118,7 +123,7 @@ class BlockLayout:
             expected = self.page_shape()
             ok = shape == expected
         else:
-            expected = (2, self.num_layers, -1, self.n_kv_heads, self.head_dim)
+            expected = kv_block_shape(self.num_layers, -1, self.n_kv_heads, self.head_dim)
             ok = len(shape) == 5 and shape[2] >= 1 and shape[:2] == expected[:2]
             ok = ok and all(e in (0, n) for e, n in zip(expected[3:], shape[3:], strict=True))
         if not ok:
