@@ -468,37 +468,12 @@ def test_demo_on_the_real_model_verifies(tmp_path: Path, smollm2_gguf: Path) -> 
 
 
 @pytest.mark.model
-def test_demo_paged_cache_waits_for_pages_and_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
-    """--cache paged with too few pages for the whole batch: requests wait, tokens still
-    equal transformers'."""
-    requires_transformers()
-    out = tmp_path / "out.json"
-    result = run_demo(
-        "--model",
-        str(smollm2_gguf),
-        "--max-new-tokens",
-        "24",
-        "--cache",
-        "paged",
-        "--page-size",
-        "16",
-        "--num-pages",
-        "12",
-        "--verify",
-        "--output-json",
-        str(out),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "verify against transformers: all match (8 requests)" in result.stdout
-    summary = json.loads(out.read_text())["summary"]
-    assert summary["cache"] == "paged" and summary["num_pages"] == 12
-    assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once
-
-
-@pytest.mark.model
-def test_demo_paged_prefix_caching_verifies(tmp_path: Path, smollm2_gguf: Path) -> None:
-    """--cache paged --prefix-caching with a shared system prompt: later requests share
-    its cached pages, and every answer still equals transformers'."""
+def test_demo_paged_cache_waits_for_pages_shares_its_prefix_and_verifies(
+    tmp_path: Path, smollm2_gguf: Path
+) -> None:
+    """--cache paged with too few pages for the whole batch and --prefix-caching
+    with a shared system prompt: requests wait for pages, later ones share the
+    system prompt's cached pages, and every answer still equals transformers'."""
     requires_transformers()
     out = tmp_path / "out.json"
     system = (
@@ -506,14 +481,16 @@ def test_demo_paged_prefix_caching_verifies(tmp_path: Path, smollm2_gguf: Path) 
         "what the visitor asked. The museum opens at nine and closes at five."
     )
     result = run_demo(
-        *("--model", str(smollm2_gguf), "--max-new-tokens", "12"),
-        *("--cache", "paged", "--page-size", "16", "--prefix-caching"),
+        *("--model", str(smollm2_gguf), "--max-new-tokens", "24"),
+        *("--cache", "paged", "--page-size", "16", "--num-pages", "12", "--prefix-caching"),
         *("--system-prompt", system, "--verify", "--output-json", str(out)),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify against transformers: all match (8 requests)" in result.stdout
     summary = json.loads(out.read_text())["summary"]
-    assert summary["cache"] == "paged" and summary["prefix_cache_lookups"] == 8
+    assert summary["cache"] == "paged" and summary["num_pages"] == 12
+    assert summary["page_waits"] > 0  # 12 pages cannot hold 8 requests at once
+    assert summary["prefix_cache_lookups"] == 8
     assert summary["prefix_cache_hit_tokens"] >= 7 * 32  # the system prompt's whole pages
 
 
