@@ -94,18 +94,17 @@ from ..tiers.blocks import BlockLayout
 from ..tiers.remote import redact_url
 from ..tiers.store import TierConfig, TieredBlockStore
 from ..validation import require_int
-from .page_pool import PagePool
+from .page_table import UNUSED_PAGE, PageRow, PageTable, ReservePlan
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
 from .protocol import (
     CacheCapabilities,
     CacheDevice,
     KVCacheManagerBase,
-    device_inputs,
     validate_sizes,
 )
 from .rotation import KeyRotation
-from .spec import CacheInputs, CacheSpec, KVCacheInputs, kv_block_shape
+from .spec import CacheInputs, CacheSpec, kv_block_shape
 from .window import PageWindow
 
 if TYPE_CHECKING:
@@ -114,9 +113,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("maxkv.tiers")
 
 __all__ = ["UNUSED_PAGE", "PagedKVCacheManager", "SwappedSequence"]
-
-#: Page-table entry of a page a sequence does not have (never a valid page id).
-UNUSED_PAGE = 0xFFFFFFFF
 
 _swap_numbers = itertools.count()
 
@@ -133,17 +129,14 @@ class SwappedSequence:
     #: Its pages still held, ``[pages, devices, 2, num_layers, page_size, heads,
     #: head_dim]``, the first being page ``first_page`` of the sequence.
     blocks: np.ndarray = field(repr=False)
-    #: A copy of its record as it was (its page row aside: ``blocks`` replace it).
+    #: A copy of its record as it was (its pages are ``blocks``).
     state: _Sequence = field(default_factory=lambda: _Sequence(), repr=False)
+    #: The pages before this one were given back (sliding window).
+    first_page: int = 0
     #: A :class:`~maxkv.HybridKVCacheManager`'s: one per layer group (each with its
     #: pages and record); its own ``blocks`` are then empty.
     groups: tuple[SwappedSequence, ...] = field(default=(), repr=False)
     number: int = field(default_factory=lambda: next(_swap_numbers))
-
-    @property
-    def first_page(self) -> int:
-        """The pages before this one were given back (sliding window)."""
-        return self.state.given_back
 
     @property
     def nbytes(self) -> int:
@@ -165,14 +158,11 @@ class _Sinks:
 class _Sequence:
     """One sequence's record in a paged cache (TVM's ``Sequence``): everything the
     cache keeps of it besides its committed length (the protocol's, shared by the
-    layer groups of a hybrid cache).  A per-sequence feature is a field here; claim
-    makes a fresh record, fork takes the parent's up to the fork, swap keeps a copy
-    beside the page contents, release drops it."""
+    layer groups of a hybrid cache) and its pages (its row of the page table,
+    :class:`~maxkv.cache.page_table.PageTable`).  A per-sequence feature is a field
+    here; claim makes a fresh record, fork takes the parent's up to the fork, swap
+    keeps a copy beside the page contents, release drops it."""
 
-    #: Its page-table row in token order; :data:`UNUSED_PAGE` for pages given back.
-    pages: list[int] = field(default_factory=list)
-    #: How many pages at its start it gave back (sliding window).
-    given_back: int = 0
     #: Prefix caching: its committed token ids, its tenant's salt and the hashes of
     #: its full pages (empty without prefix caching).
     tokens: list[int] = field(default_factory=list)
@@ -187,8 +177,6 @@ class _Sequence:
     def copy(self) -> _Sequence:
         """A deep copy (lists and sink state not shared)."""
         return _Sequence(
-            list(self.pages),
-            self.given_back,
             list(self.tokens),
             self.salt,
             list(self.hashes),
@@ -294,8 +282,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 f"attention sinks rotate cached keys in NumPy, as values: keep the cache in "
                 f"float16 or float32, not {params.encoding}"
             )
-        #: Which pages a sequence keeps (every page without a sliding window).
-        self.window = PageWindow(sliding_window, page_size)
+        PageWindow(sliding_window, page_size)  # checks the window before any allocation
         if tiers is not None and not isinstance(tiers, TierConfig):
             raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         if tiers is not None and tiers.any_tier and not enable_prefix_caching:
@@ -316,13 +303,20 @@ class PagedKVCacheManager(KVCacheManagerBase):
             raise ValueError(f"num_pages must be below {UNUSED_PAGE}, got {num_pages}")
         self.max_pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
         self._free_seq_ids: set[int] = set(range(self.max_batch_size))
-        self._pool = PagePool(self.num_pages)
+        spec = self.spec
+        assert isinstance(spec, CacheSpec)
+        #: The pages, their pool, the window and each sequence's row.
+        self.table = PageTable(
+            spec, self.num_pages, self.max_seq_len, sliding_window, self.devices, self.cache_device
+        )
+        #: Which pages a sequence keeps (every page without a sliding window).
+        self.window = self.table.window
+        self._pool = self.table.pool
+        self._pages = self.table.buffers
         #: Each claimed sequence's record.
         self._seqs: dict[int, _Sequence] = {}
         self._rotation = key_rotation
         self._prefix_caching = bool(enable_prefix_caching)
-        shape = self.pages_shape(self.num_pages)
-        self._pages = self.cache_device.zeros(shape, self.params.cache_dtype)
         self._tier_config = tiers if tiers is not None else TierConfig()
         self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
         #: Prompt tokens loaded from the tiers instead of computed.
@@ -387,7 +381,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            return tuple(self._seqs[seq].pages)
+            return tuple(self.table.rows[seq].pages)
 
     def page_refcount(self, page: int) -> int:
         """How many sequences hold ``page`` (0: free)."""
@@ -426,7 +420,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 raise ValueError(
                     f"tokens [{start}, {end}) are outside seq_id {seq}'s {length} committed"
                 )
-            pages = self._seqs[seq].pages
+            pages = self.table.rows[seq].pages
             buffer = self._pages[0]
             if not buffer.is_host:
                 raise ValueError("read_tokens needs the pages in host memory (a CPU cache)")
@@ -473,7 +467,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         return self._pages_for(tokens)
 
     def _pages_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.page_size)
+        return self.table.pages_for(tokens)
 
     @property
     def free_units(self) -> int:
@@ -680,8 +674,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self.tier_hit_tokens += (reused - on_device) * self.page_size
         cached = reused * self.page_size
         state = self._seqs[seq_id]
-        state.pages = [UNUSED_PAGE] * plan.start + pages
-        state.given_back = plan.start
+        self.table.add(seq_id, PageRow([UNUSED_PAGE] * plan.start + pages, plan.start))
         state.tokens = tokens[:cached]
         state.salt = salt
         state.hashes = plan.hashes[:reused]
@@ -747,7 +740,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
             hashes = state.hashes
             parent = hashes[-1] if hashes else root_hash(state.salt)
             start = len(hashes) * self.page_size
-            pages = state.pages
+            pages = self.table.rows[seq_id].pages
             for block in block_hashes(exact, self.page_size, parent, start):
                 index = len(hashes)
                 page = pages[index]
@@ -832,8 +825,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         from ..tiers.connector import PageBuffers
 
         io = PageBuffers(self._pages)
-        gone = self._seqs[seq].given_back
-        held = self._seqs[seq].pages[gone:]
+        row = self.table.rows[seq]
+        held = row.held
         nbytes = len(held) * io.page_nbytes
         budget = self._tier_config.swap_bytes
         if self.swapped_bytes + nbytes > budget:
@@ -845,9 +838,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             blocks = io.read_pages(held)
         else:
             blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
-        state = self._seqs[seq].copy()
-        state.pages = []  # the blocks hold them; swap-in gives it pages anew
-        swapped = SwappedSequence(self._lengths[seq], blocks, state)
+        swapped = SwappedSequence(
+            self._lengths[seq], blocks, self._seqs[seq].copy(), first_page=row.given_back
+        )
         self._swapped[swapped.number] = nbytes
         return swapped
 
@@ -930,7 +923,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if written:  # one batch of copies
             io.write_pages([page for page, _ in written], swapped.blocks[[i for _, i in written]])
         self._seqs[seq] = swapped.state.copy()
-        self._seqs[seq].pages = pages
+        self.table.add(seq, PageRow(pages, swapped.first_page))
         self._lengths[seq] = swapped.length
         del self._swapped[swapped.number]
 
@@ -948,55 +941,35 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id in seq_ids:
             self._free_seq_ids.remove(seq_id)
             self._seqs[seq_id] = _Sequence()
+            self.table.add(seq_id)
 
     def _storage_release(self, seq_id: int) -> None:
-        # Last page first: a sequence's prefix outlives its tail in the cache.
-        state = self._seqs.pop(seq_id)
-        self._pool.free(reversed(state.pages[state.given_back :]))
+        del self._seqs[seq_id]
+        self.table.drop(seq_id)
         self._free_seq_ids.add(seq_id)
 
     def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
         # Plan first (nothing changes if the pages do not suffice), then act.
         plans, needed = self._reserve_plan(seq_ids, totals)
-        if needed > self._pool.free_count:
-            raise CacheFullError(
-                f"out of pages: this step needs {needed} new pages of {self.page_size} tokens, "
-                f"{self._pool.free_count} of {self.num_pages} are free"
-            )
+        error = self.table.no_room(needed)
+        if error is not None:
+            raise error
         self._reserve_apply(plans)
 
-    def _reserve_plan(
-        self, seq_ids: list[int], totals: list[int]
-    ) -> tuple[list[tuple[int, list[int], int]], int]:
-        """Per sequence, the shared pages a step up to ``totals`` writes into (copied
-        first) and the new pages it needs; and how many free pages all that takes."""
-        plans = []
-        needed = 0
-        for seq_id, total in zip(seq_ids, totals, strict=True):
-            held = self._seqs[seq_id].pages
-            first_written = self._lengths[seq_id] // self.page_size
-            last = self._pages_for(total)
-            shared = [
-                i for i in range(first_written, min(last, len(held))) if self._shared(held[i])
-            ]
-            new = max(0, last - len(held))
-            plans.append((seq_id, shared, new))
-            needed += len(shared) + new
-        return plans, needed
+    def _reserve_plan(self, seq_ids: list[int], totals: list[int]) -> tuple[list[ReservePlan], int]:
+        """:meth:`PageTable.reserve_plan` at the sequences' committed lengths."""
+        return self.table.reserve_plan(seq_ids, [self._lengths[s] for s in seq_ids], totals)
 
-    def _reserve_apply(self, plans: list[tuple[int, list[int], int]]) -> None:
-        for seq_id, shared, new in plans:
-            for index in shared:
-                self._copy_on_write(seq_id, index)
-            self._seqs[seq_id].pages += self._pool.allocate(new)
+    def _reserve_apply(self, plans: list[ReservePlan]) -> None:
+        self.table.reserve_apply(plans, [self._lengths[plan.seq_id] for plan in plans])
 
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
     ) -> list[CacheInputs]:
-        return [*self._inputs([self._seqs[s].pages for s in seq_ids], lengths, max_lengths)]
+        return [*self.table.seq_inputs(seq_ids, lengths, max_lengths)]
 
     def _storage_room(self, seq_id: int) -> int:
-        return len(self._seqs[seq_id].pages) * self.page_size
+        return self.table.room(seq_id)
 
     def _storage_committed(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -1075,13 +1048,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
         drop = (length - sinks - stream.window) // self.page_size
         if drop <= 0:
             return
-        held = self._seqs[seq_id].pages
+        held = self.table.rows[seq_id].pages
         moved = range(first + drop, self._pages_for(length))
-        shared = [i for i in moved if self._shared(held[i])]
+        shared = [i for i in moved if self.table.shared(held[i])]
         if len(shared) > self._pool.free_count:
             return
         for index in shared:  # the keys change: this sequence's own copy
-            self._copy_on_write(seq_id, index)
+            self.table.copy_on_write(seq_id, index, length)
         self._pool.free(held[first : first + drop])
         del held[first : first + drop]
         shift = drop * self.page_size
@@ -1100,38 +1073,20 @@ class PagedKVCacheManager(KVCacheManagerBase):
             del self._seqs[seq_id].tokens[sinks:]
 
     def _give_back(self, seq_id: int) -> None:
-        """Frees the pages of ``seq_id`` that are wholly before its window now (the
-        oldest first, so that the prefix cache evicts them first)."""
-        first = self.window.first_live_page(self._lengths[seq_id])
-        gone = self._seqs[seq_id].given_back
-        if first <= gone:
-            return
-        held = self._seqs[seq_id].pages
-        self._pool.free(held[gone:first])
-        held[gone:first] = [UNUSED_PAGE] * (first - gone)
-        self._seqs[seq_id].given_back = first
+        """Frees the pages of ``seq_id`` that are wholly before its window now."""
+        self.table.give_back(seq_id, self._lengths[seq_id])
 
     def _check_window(self, seq_id: int, length: int, what: str) -> None:
         """Raises if a sequence ``seq_id`` cut to ``length`` tokens would attend to
         positions whose pages it gave back."""
-        gone = self._seqs[seq_id].given_back
-        if self.window.first_live_page(length) < gone:
-            raise ValueError(
-                f"{what}: at {length} tokens seq_id {seq_id}'s sliding window of "
-                f"{self.window.window} tokens reaches back to position "
-                f"{self.window.first_needed_position(length)}, but its pages before "
-                f"position {gone * self.page_size} were given back"
-            )
+        self.table.check_window(seq_id, length, what)
 
     def _storage_truncate(self, seq_id: int, length: int) -> None:
         self._check_window(seq_id, length, "cannot pop_n")
         stream = self._seqs[seq_id].sinks
         if stream is not None and length <= stream.sink_pages * self.page_size:
             stream.evicted = 0  # what is left is the sequence's first tokens again
-        held = self._seqs[seq_id].pages
-        keep = self._pages_for(length)
-        self._pool.free(reversed(held[keep:]))
-        del held[keep:]
+        self.table.truncate(seq_id, length)
         if self._prefix_caching:
             del self._seqs[seq_id].tokens[length:]
             del self._seqs[seq_id].hashes[length // self.page_size :]
@@ -1145,16 +1100,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 f"cannot fork seq_id {parent} at {fork_pos}: its partial page needs a copy "
                 "and no page is free"
             )
-        start = self.window.first_live_page(fork_pos)
-        parent_pages = self._seqs[parent].pages
-        shared = parent_pages[start:full]
-        self._pool.share(shared)
-        child_pages = [UNUSED_PAGE] * start + shared
-        if partial:
-            child_pages += self._pool.allocate(1)
+        self.table.fork(parent, child, fork_pos)
         state, child_state = self._seqs[parent], self._seqs[child]
-        child_state.pages = child_pages
-        child_state.given_back = start
         stream = state.sinks
         if stream is not None:
             evicted = stream.evicted if fork_pos > stream.sink_pages * self.page_size else 0
@@ -1165,43 +1112,3 @@ class PagedKVCacheManager(KVCacheManagerBase):
             child_state.hashes = state.hashes[:full]
         if state.blended_from is not None and state.blended_from < fork_pos:
             child_state.blended_from = state.blended_from
-        if partial:
-            self._copy_between(parent_pages, child_pages, full * self.page_size, fork_pos)
-
-    # -------------------------------------------------------------- helpers
-
-    def _shared(self, page: int) -> bool:
-        """Whether writing into ``page`` needs a copy first: held twice, or cached."""
-        return self._pool.refcount(page) > 1 or self._pool.is_cached(page)
-
-    def _copy_on_write(self, seq_id: int, index: int) -> None:
-        """Gives ``seq_id`` its own copy of its shared page ``index`` (a free page is there)."""
-        held = self._seqs[seq_id].pages
-        old = held[index]
-        start = index * self.page_size
-        end = min(self._lengths[seq_id], start + self.page_size)
-        (new,) = self._pool.allocate(1)
-        replaced = [*held[:index], new, *held[index + 1 :]]
-        self._copy_between(held, replaced, start, end)
-        held[index] = new
-        self._pool.free([old])
-
-    def _copy_between(
-        self, source: list[int], destination: list[int], start: int, end: int
-    ) -> None:
-        """Copies tokens ``[start, end)`` from the page list ``source`` to ``destination``."""
-        lengths = np.array([end, 0], dtype=np.uint32)
-        max_lengths = np.array([[0, end]], dtype=np.uint32)
-        self._copy_tokens(self._inputs([source, destination], lengths, max_lengths), start, end)
-
-    def _inputs(
-        self, page_lists: list[list[int]], lengths: np.ndarray, max_lengths: np.ndarray
-    ) -> list[KVCacheInputs]:
-        table = np.full((len(page_lists), self.max_pages_per_seq), UNUSED_PAGE, dtype=np.uint32)
-        for row, held in enumerate(page_lists):
-            table[row, : len(held)] = held
-            gone = held.count(UNUSED_PAGE)  # given back: all at the start
-            if 0 < gone < len(held):
-                # Never read (outside the window), but a valid page for the kernels.
-                table[row, :gone] = held[gone]
-        return device_inputs(self._pages, self.devices, lengths, table, max_lengths)
