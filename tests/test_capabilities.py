@@ -72,7 +72,10 @@ def test_a_declared_capability_is_implemented_and_an_undeclared_one_refused(kind
         declared = getattr(manager.capabilities, capability)
         for method in methods:
             own = getattr(type(manager), method) is not getattr(KVCacheManagerBase, method)
-            assert own == declared or method == "blended_position", (kind, method)
+            # Declared: implemented.  Undeclared: refused by name, whether the base's
+            # declaration or a class that has it for other instances (a hybrid cache
+            # is the paged manager with a table per layer group) answers the call.
+            assert own or not declared or method == "blended_position", (kind, method)
             if method in calls and not declared:
                 with pytest.raises(ValueError, match=f"no '{capability}' capability"):
                     calls[method]()

@@ -122,7 +122,7 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
             enable_prefix_caching=True,
             sliding_window=config.cache_window,
         )
-        groups = [manager]
+        groups = manager.groups  # one page table
     assert (config.cache_window is not None) == (family in ALL_SLIDING)
     model = DecoderModel(config, weights, manager, session)
     scheduler = ContinuousBatchingScheduler(model, manager, max_batch, num_steps=2)
@@ -136,7 +136,7 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
     def step(*args: Any, **kwargs: Any) -> None:
         commit(*args, **kwargs)
         for group in groups:
-            for seq in group.cache_lengths:
+            for seq in manager.cache_lengths:
                 row = group.pages(seq)
                 if group.window.slides:
                     held_after_steps.append(len(row) - row.count(UNUSED_PAGE))

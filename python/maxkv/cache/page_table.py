@@ -8,6 +8,12 @@ attend through, and each sequence's row of page ids.  It reserves pages for
 a step (copying first a shared page the step writes into), gives back the
 pages a window has passed, forks, truncates and builds the graph inputs.
 
+With prefix caching it registers the pages it fills under the chained
+hashes of their tokens (the manager hashes a sequence's tokens once for
+every table), finds the pages of a prompt's prefix and takes them; with KV
+tiers it offloads its registered pages to tiers of its own and loads them
+back.  Swap copies its pages of a sequence to host memory and back.
+
 It keeps no committed lengths and takes no lock: the manager that holds it
 (:class:`~maxkv.PagedKVCacheManager`) passes each sequence's length and
 calls it under its own lock, one protocol step at a time.  A plain paged
@@ -16,20 +22,30 @@ cache holds one table; a hybrid model's cache one per layer group.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from max.driver import Buffer, Device
 
 from ..errors import CacheFullError
+from ..tiers.blocks import BlockLayout
+from ..tiers.store import TierConfig, TieredBlockStore
 from .page_pool import PagePool
 from .protocol import CacheDevice, device_inputs
 from .spec import CacheSpec, KVCacheInputs
 from .window import PageWindow
 
-__all__ = ["UNUSED_PAGE", "PageRow", "PageTable"]
+if TYPE_CHECKING:
+    from ..tiers.connector import TieredConnector
+
+logger = logging.getLogger("maxkv.tiers")
+
+__all__ = ["UNUSED_PAGE", "PageRow", "PageTable", "Prefix", "held_runs"]
 
 #: Page-table entry of a page a sequence does not have (never a valid page id).
 UNUSED_PAGE = 0xFFFFFFFF
@@ -60,6 +76,29 @@ class ReservePlan:
     new: int
 
 
+def held_runs(held: list[bool]) -> list[int]:
+    """Per page, how many pages in a row up to it (itself included) are held."""
+    return list(itertools.accumulate(held, lambda run, h: run + 1 if h else 0, initial=0))[1:]
+
+
+@dataclass
+class Prefix:
+    """A prefix a claim can reuse in one table: pages ``[start, start +
+    len(pages))`` on the device, then ``in_tiers`` blocks from its tiers (the
+    pages before ``start`` are outside its window)."""
+
+    start: int
+    pages: list[int]
+    #: The hashes of every full page of the prompt (``tokens[:-1]``).
+    hashes: list[bytes]
+    in_tiers: int
+
+    @property
+    def reused(self) -> int:
+        """Pages of the prompt the claim skips."""
+        return self.start + len(self.pages) + self.in_tiers
+
+
 class PageTable:
     """The pages of one layer group and which sequence holds which.
 
@@ -70,6 +109,7 @@ class PageTable:
         window: Its layers' sliding window, or ``None`` (every token).
         devices: One device per ``spec.params.n_devices``.
         cache_device: Its device work (zero fill, copies).
+        tiers: Its KV tiers (``None`` or a config without any tier: none).
     """
 
     def __init__(
@@ -80,6 +120,7 @@ class PageTable:
         window: int | None,
         devices: Sequence[Device],
         cache_device: CacheDevice,
+        tiers: TierConfig | None = None,
     ) -> None:
         assert spec.page_size is not None
         self.spec = spec
@@ -96,6 +137,59 @@ class PageTable:
             spec.allocated_shape(num_pages), spec.params.cache_dtype
         )
         self.rows: dict[int, PageRow] = {}
+        #: Prompt tokens loaded from its tiers instead of computed.
+        self.tier_hit_tokens = 0
+        self.connector: TieredConnector | None = None
+        if tiers is not None and tiers.any_tier:
+            from ..tiers.connector import PageBuffers, TieredConnector
+
+            store = TieredBlockStore(self.block_layout(tiers.model_id), tiers)
+            self.connector = TieredConnector(store, PageBuffers(self.buffers))
+
+    # ---------------------------------------------------- what it is
+
+    @property
+    def num_layers(self) -> int:
+        """Layers whose keys and values its pages hold."""
+        return self.spec.num_layers
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no sequence holds (cached ones included: they are evictable)."""
+        return self.pool.free_count
+
+    @property
+    def nbytes_per_page(self) -> int:
+        """Bytes one page takes on all devices together."""
+        p = self.spec.params
+        return self.page_size * p.token_bytes(self.num_layers) * len(self.devices)
+
+    def pages(self, seq_id: int) -> tuple[int, ...]:
+        """``seq_id``'s row (:data:`UNUSED_PAGE` for the pages given back)."""
+        return tuple(self.rows[seq_id].pages)
+
+    def page_refcount(self, page: int) -> int:
+        """How many sequences hold ``page`` (0: free)."""
+        return self.pool.refcount(page)
+
+    def block_layout(self, model_id: str) -> BlockLayout:
+        """What one of its pages is outside the device, for the model ``model_id``."""
+        p = self.spec.params
+        return BlockLayout(
+            model_id=model_id or "unnamed",
+            kind="page",
+            num_layers=self.num_layers,
+            n_kv_heads=p.n_kv_heads,
+            head_dim=p.head_width,  # a stored head row (quantized: with its scales)
+            dtype=p.row_format,
+            page_size=self.page_size,
+            devices=p.n_devices,
+        )
+
+    @property
+    def tiers(self) -> TieredBlockStore | None:
+        """Its KV tiers; ``None`` without."""
+        return self.connector.store if self.connector is not None else None
 
     # ------------------------------------------------------------ rows
 
@@ -226,6 +320,196 @@ class PageTable:
         max_lengths = np.array([[0, end]], dtype=np.uint32)
         inputs = self.inputs([source, destination], lengths, max_lengths)
         self.cache_device.copy_tokens(inputs, start, end)
+
+    # ------------------------------------------------ prefix caching
+
+    def lookup(self, hashes: list[bytes]) -> tuple[list[int | None], list[int]]:
+        """The device page registered under each of ``hashes``, and per page how many
+        pages in a row up to it are registered (:func:`held_runs`)."""
+        found = [self.pool.lookup(block) for block in hashes]
+        return found, held_runs([page is not None for page in found])
+
+    def held(self, hashes: list[bytes], found: list[int | None]) -> list[bool]:
+        """Per block of ``hashes`` (:meth:`lookup`'s ``found``): whether the device or
+        a tier holds it (the tiers asked once, for the blocks the device lacks)."""
+        held = [page is not None for page in found]
+        ask = [i for i, on_device in enumerate(held) if not on_device]
+        if self.connector is not None and ask:
+            from ..tiers.connector import LEAF
+
+            in_tiers = self.connector.lookup([hashes[i] for i in ask])[LEAF]
+            for i, there in zip(ask, in_tiers, strict=True):
+                held[i] = bool(there)
+        return held
+
+    def prefix_fits(self, runs: list[int], m: int) -> bool:
+        """Whether reusing exactly ``m`` pages gives its layers all they need of them
+        (the pages of the window, or all ``m``); ``runs``: per page, how many pages
+        in a row up to it are held (:func:`held_runs`)."""
+        return m == 0 or runs[m - 1] >= m - self.window.first_live_page(m * self.page_size)
+
+    def prefix_at(
+        self, hashes: list[bytes], found: list[int | None], runs: list[int], m: int
+    ) -> Prefix | None:
+        """Reusing exactly ``m`` pages (:meth:`prefix_fits`; else ``None``): device
+        pages from the first page needed, then blocks loaded from the tiers.  With
+        ``runs`` of the device's pages alone every page is on the device; with those
+        of :meth:`held` the tiers give the rest, and a block whose page is on the
+        device after all is shared, not copied."""
+        if not self.prefix_fits(runs, m):
+            return None
+        if m == 0:
+            return Prefix(0, [], hashes, 0)
+        start = self.window.first_live_page(m * self.page_size)
+        pages: list[int] = []
+        for page in found[start:m]:
+            if page is None:
+                break
+            pages.append(page)
+        return Prefix(start, pages, hashes, m - start - len(pages))
+
+    def adopt(self, seq_id: int, plan: Prefix, salt: str | None) -> int:
+        """``seq_id`` (an empty row) takes the prefix ``plan`` reuses, loading its
+        tiers' blocks; returns the pages it reused (fewer where a tier failed)."""
+        pages = list(plan.pages)
+        self.pool.share(pages)
+        on_device = plan.start + len(pages)
+        if self.connector is not None and pages:
+            self.connector.touch(plan.hashes[plan.start : on_device])
+        if plan.in_tiers:
+            pages += self.load_from_tiers(plan.hashes[on_device : on_device + plan.in_tiers], salt)
+        reused = plan.start + len(pages)
+        self.tier_hit_tokens += (reused - on_device) * self.page_size
+        self.rows[seq_id] = PageRow([UNUSED_PAGE] * plan.start + pages, plan.start)
+        return reused
+
+    def load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
+        """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
+        pages, in order, up to the first one no tier can give (or the last free page);
+        a block registered on the device is shared instead; returns the pages."""
+        from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
+
+        assert self.connector is not None
+        loaded: list[int] = []
+        for block in hashes:
+            registered = self.pool.lookup(block)
+            if registered is not None:  # on the device after all (another table's plan)
+                self.pool.share([registered])
+                loaded.append(registered)
+                continue
+            if self.pool.free_count == 0:
+                break
+            (page,) = self.pool.allocate(1)
+            try:
+                self.connector.load({LEAF: [page]}, {LEAF: [block]}, tenant=salt)
+            except (KVLoadRefused, KVLoadFailed):
+                self.pool.free([page])
+                break
+            except Exception:  # a tier's own failure: recompute, never fail the claim
+                logger.exception("maxkv: loading block %s from the KV tiers failed", block.hex())
+                self.pool.free([page])
+                break
+            registered = self.pool.register(page, block)
+            if registered != page:
+                self.pool.share([registered])
+                self.pool.free([page])
+            loaded.append(registered)
+        return loaded
+
+    def register(self, seq_id: int, index: int, block: bytes) -> int | None:
+        """Registers ``seq_id``'s page ``index`` under ``block``; where the same
+        content is cached already, the row takes that page instead.  Returns the
+        page when it is newly registered (to offload), else ``None``."""
+        pages = self.rows[seq_id].pages
+        page = pages[index]
+        registered = self.pool.register(page, block)
+        if registered == page:
+            return page
+        self.pool.share([registered])
+        pages[index] = registered
+        self.pool.free([page])
+        return None
+
+    def offload(self, pages: list[int], hashes: list[bytes], salt: str | None) -> None:
+        """Hands newly registered ``pages`` (under ``hashes``) to its tiers."""
+        if self.connector is not None and pages:
+            from ..tiers.connector import LEAF
+
+            self.connector.offload({LEAF: pages}, {LEAF: hashes}, tenant=salt)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every registered page (and the tiers' index of this process)."""
+        self.pool.reset_cache()
+        if self.connector is not None:
+            self.connector.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finishes its tiers' queued writes and stops their thread."""
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    # ------------------------------------------------------- swap
+
+    def capture(self, seq_id: int) -> tuple[np.ndarray, int]:
+        """Copies of ``seq_id``'s held pages (``[pages, devices, 2, layers,
+        page_size, heads, head_width]``) and the index of the first."""
+        from ..tiers.connector import PageBuffers
+
+        row = self.rows[seq_id]
+        if row.held:
+            return PageBuffers(self.buffers).read_pages(row.held), row.given_back
+        return np.zeros((0, *self.block_layout("").page_shape()), np.float32), row.given_back
+
+    def swap_nbytes(self, seq_id: int) -> int:
+        """Host bytes :meth:`capture` of ``seq_id`` takes."""
+        from ..tiers.connector import PageBuffers
+
+        return len(self.rows[seq_id].held) * PageBuffers(self.buffers).page_nbytes
+
+    def swap_in_hits(self, hashes: list[bytes], first_page: int, blocks: int) -> list[int | None]:
+        """Per swapped page: the device page registered under its hash, if any."""
+        hashes = hashes[first_page:]
+        return [self.pool.lookup(hashes[i]) if i < len(hashes) else None for i in range(blocks)]
+
+    def free_hits(self, cached: list[int | None]) -> int:
+        """Free pages that sharing the ``cached`` hits takes out of the free queue."""
+        return sum(1 for p in {p for p in cached if p is not None} if self.pool.refcount(p) == 0)
+
+    def swap_in_shortfall(self, cached: list[int | None]) -> int:
+        """Pages a swap-in with ``cached`` hits lacks now (0: it fits)."""
+        return max(0, cached.count(None) - (self.pool.free_count - self.free_hits(cached)))
+
+    def swap_in(
+        self,
+        seq_id: int,
+        blocks: np.ndarray,
+        hashes: list[bytes],
+        first_page: int,
+        cached: list[int | None],
+    ) -> None:
+        """``seq_id`` (an empty row) gets its swapped pages back: the ``cached`` hits
+        shared, the others written from ``blocks`` (and registered when full)."""
+        from ..tiers.connector import PageBuffers
+
+        self.pool.share([p for p in cached if p is not None])
+        fresh = iter(self.pool.allocate(cached.count(None)))
+        hashes = hashes[first_page:]
+        pages = [UNUSED_PAGE] * first_page
+        written: list[tuple[int, int]] = []  # (page, block index)
+        for i, hit in enumerate(cached):
+            if hit is not None:
+                pages.append(hit)
+                continue
+            page = next(fresh)
+            written.append((page, i))
+            if i < len(hashes):
+                self.pool.register(page, hashes[i])
+            pages.append(page)
+        if written:  # one batch of copies
+            PageBuffers(self.buffers).write_pages(
+                [page for page, _ in written], blocks[[i for _, i in written]]
+            )
+        self.rows[seq_id] = PageRow(pages, first_page)
 
     # ------------------------------------------------ graph inputs
 

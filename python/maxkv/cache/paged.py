@@ -94,7 +94,7 @@ from ..tiers.blocks import BlockLayout
 from ..tiers.remote import redact_url
 from ..tiers.store import TierConfig, TieredBlockStore
 from ..validation import require_int
-from .page_table import UNUSED_PAGE, PageRow, PageTable, ReservePlan
+from .page_table import UNUSED_PAGE, PageTable, Prefix, held_runs
 from .params import KVCacheParams
 from .prefix import block_hashes, root_hash
 from .protocol import (
@@ -133,8 +133,8 @@ class SwappedSequence:
     state: _Sequence = field(default_factory=lambda: _Sequence(), repr=False)
     #: The pages before this one were given back (sliding window).
     first_page: int = 0
-    #: A :class:`~maxkv.HybridKVCacheManager`'s: one per layer group (each with its
-    #: pages and record); its own ``blocks`` are then empty.
+    #: A cache of several page tables (:class:`~maxkv.HybridKVCacheManager`): one
+    #: part per table, with that table's pages; its own ``blocks`` are then empty.
     groups: tuple[SwappedSequence, ...] = field(default=(), repr=False)
     number: int = field(default_factory=lambda: next(_swap_numbers))
 
@@ -157,11 +157,11 @@ class _Sinks:
 @dataclass
 class _Sequence:
     """One sequence's record in a paged cache (TVM's ``Sequence``): everything the
-    cache keeps of it besides its committed length (the protocol's, shared by the
-    layer groups of a hybrid cache) and its pages (its row of the page table,
-    :class:`~maxkv.cache.page_table.PageTable`).  A per-sequence feature is a field
-    here; claim makes a fresh record, fork takes the parent's up to the fork, swap
-    keeps a copy beside the page contents, release drops it."""
+    cache keeps of it besides its committed length (the protocol's) and its pages
+    (its row of each page table, :class:`~maxkv.cache.page_table.PageTable`).  A
+    per-sequence feature is a field here; claim makes a fresh record, fork takes the
+    parent's up to the fork, swap keeps a copy beside the page contents, release
+    drops it."""
 
     #: Prefix caching: its committed token ids, its tenant's salt and the hashes of
     #: its full pages (empty without prefix caching).
@@ -183,29 +183,6 @@ class _Sequence:
             None if self.sinks is None else replace(self.sinks),
             self.blended_from,
         )
-
-
-def held_runs(held: list[bool]) -> list[int]:
-    """Per page, how many pages in a row up to it (itself included) are held."""
-    return list(itertools.accumulate(held, lambda run, h: run + 1 if h else 0, initial=0))[1:]
-
-
-@dataclass
-class _Prefix:
-    """A prefix a claim can reuse: pages ``[start, start + len(pages))`` on the
-    device, then ``in_tiers`` blocks from the tiers (the pages before ``start``
-    are outside the sliding window)."""
-
-    start: int
-    pages: list[int]
-    #: The hashes of every full page of the prompt (``tokens[:-1]``).
-    hashes: list[bytes]
-    in_tiers: int
-
-    @property
-    def reused(self) -> int:
-        """Pages of the prompt the claim skips."""
-        return self.start + len(self.pages) + self.in_tiers
 
 
 class PagedKVCacheManager(KVCacheManagerBase):
@@ -283,12 +260,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 f"float16 or float32, not {params.encoding}"
             )
         PageWindow(sliding_window, page_size)  # checks the window before any allocation
-        if tiers is not None and not isinstance(tiers, TierConfig):
-            raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
-        if tiers is not None and tiers.any_tier and not enable_prefix_caching:
-            raise ValueError(
-                "KV tiers keep pages under their prefix hash: they need enable_prefix_caching=True"
-            )
+        _check_tiers(tiers, enable_prefix_caching)
         super().__init__(
             CacheSpec(params, num_layers, "paged", page_size),
             max_batch_size,
@@ -297,45 +269,55 @@ class PagedKVCacheManager(KVCacheManagerBase):
             session,
             cache_device,
         )
-        self.page_size = page_size
-        self.num_pages = require_int("num_pages", num_pages, 1)
-        if self.num_pages >= UNUSED_PAGE:
-            raise ValueError(f"num_pages must be below {UNUSED_PAGE}, got {num_pages}")
-        self.max_pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
-        self._free_seq_ids: set[int] = set(range(self.max_batch_size))
         spec = self.spec
         assert isinstance(spec, CacheSpec)
-        #: The pages, their pool, the window and each sequence's row.
-        self.table = PageTable(
-            spec, self.num_pages, self.max_seq_len, sliding_window, self.devices, self.cache_device
+        num_pages = _check_num_pages(num_pages)
+        table = PageTable(
+            spec,
+            num_pages,
+            self.max_seq_len,
+            sliding_window,
+            self.devices,
+            self.cache_device,
+            tiers,
         )
-        #: Which pages a sequence keeps (every page without a sliding window).
+        self._set_up(page_size, [table], enable_prefix_caching, tiers, key_rotation)
+
+    def _set_up(
+        self,
+        page_size: int,
+        tables: list[PageTable],
+        enable_prefix_caching: bool,
+        tiers: TierConfig | None,
+        key_rotation: KeyRotation | None = None,
+    ) -> None:
+        """The manager's state over its page ``tables`` (after the base's ``__init__``)."""
+        self.page_size = page_size
+        #: The page tables: one, or one per layer group (:class:`HybridKVCacheManager`).
+        self.groups: list[PageTable] = tables
+        #: The first table (the only one of a plain paged cache).
+        self.table = tables[0]
+        #: Which pages a sequence keeps, in the first table (every page without a
+        #: sliding window).
         self.window = self.table.window
         self._pool = self.table.pool
         self._pages = self.table.buffers
+        self.num_pages = sum(t.num_pages for t in tables)
+        self.max_pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
+        self._free_seq_ids: set[int] = set(range(self.max_batch_size))
         #: Each claimed sequence's record.
         self._seqs: dict[int, _Sequence] = {}
         self._rotation = key_rotation
         self._prefix_caching = bool(enable_prefix_caching)
         self._tier_config = tiers if tiers is not None else TierConfig()
         self._swapped: dict[int, int] = {}  # live SwappedSequence.number -> bytes
-        #: Prompt tokens loaded from the tiers instead of computed.
-        self.tier_hit_tokens = 0
-        self._connector: TieredConnector | None = None
-        if tiers is not None and tiers.any_tier:
-            from ..tiers.connector import PageBuffers, TieredConnector
-
-            store = TieredBlockStore(self.block_layout(tiers.model_id), tiers)
-            self._connector = TieredConnector(store, PageBuffers(self._pages))
 
     # ------------------------------------------------------------------ sizes
 
     def pages_shape(self, num_pages: int) -> list[int]:
         """Shape of one device's pages buffer: ``[num_pages, 2, num_layers,
         page_size, n_kv_heads_per_device, head_width]`` (axis 1: 0 keys, 1 values)."""
-        spec = self.spec
-        assert isinstance(spec, CacheSpec)  # one cache (a hybrid's groups are each one)
-        return spec.allocated_shape(require_int("num_pages", num_pages, 1))
+        return self.table.spec.allocated_shape(require_int("num_pages", num_pages, 1))
 
     @classmethod
     def estimated_memory_size(
@@ -352,14 +334,24 @@ class PagedKVCacheManager(KVCacheManagerBase):
         require_int("num_pages", num_pages, 1)
         return num_pages * page_size * params.token_bytes(num_layers) * len(devices)
 
+    @property
+    def copies_supported(self) -> bool:
+        return all(t.cache_device.copies_supported for t in self.groups)
+
+    def warm_up(self) -> None:
+        for table in self.groups:
+            table.cache_device.warm_up()
+
+    def nbytes(self) -> int:
+        """Bytes the pages of every table take on all devices."""
+        return sum(t.nbytes_per_page * t.num_pages for t in self.groups)
+
     # ------------------------------------------------------------ page state
 
     @property
     def nbytes_per_page(self) -> int:
-        """Bytes one page takes on all devices together."""
-        return self.estimated_memory_size(
-            self.params, self.page_size, 1, self.num_layers, self.devices
-        )
+        """Bytes one page takes on all devices together (of the first table)."""
+        return self.table.nbytes_per_page
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -368,9 +360,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     @property
     def free_pages(self) -> int:
-        """Pages no sequence holds (exact at every moment)."""
+        """Pages no sequence holds, of every table (exact at every moment)."""
         with self._lock:
-            return self._pool.free_count
+            return sum(t.pool.free_count for t in self.groups)
 
     def pages(self, seq_id: int) -> tuple[int, ...]:
         """The pages ``seq_id`` holds, in token order (its page-table row), with
@@ -381,24 +373,37 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            return tuple(self.table.rows[seq].pages)
+            return self.table.pages(seq)
+
+    def group_pages(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """Per table (layer group), ``seq_id``'s page-table row (see :meth:`pages`)."""
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            return tuple(t.pages(seq) for t in self.groups)
+
+    def held_bytes(self, seq_id: int) -> int:
+        """Bytes of the pages ``seq_id`` holds in every table."""
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            return sum(len(t.rows[seq].held) * t.nbytes_per_page for t in self.groups)
 
     def page_refcount(self, page: int) -> int:
         """How many sequences hold ``page`` (0: free)."""
         with self._lock:
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
+            if not 0 <= page < self.table.num_pages:
+                raise ValueError(f"page {page} is out of range [0, {self.table.num_pages})")
             return self._pool.refcount(page)
 
     def page_is_cached(self, page: int) -> bool:
         """Whether ``page`` is registered in the prefix cache (and so read-only)."""
         with self._lock:
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page} is out of range [0, {self.num_pages})")
+            if not 0 <= page < self.table.num_pages:
+                raise ValueError(f"page {page} is out of range [0, {self.table.num_pages})")
             return self._pool.is_cached(page)
 
     def read_tokens(self, seq_id: int, start: int, end: int) -> np.ndarray:
-        """A copy of the K and V of ``seq_id``'s committed tokens ``[start, end)``.
+        """A copy of the K and V of ``seq_id``'s committed tokens ``[start, end)``
+        (capability ``blending``).
 
         Between rounds; the cache must be in host memory (a CPU cache) in a
         float encoding (float32 or float16, whose values NumPy reads as they are).
@@ -411,6 +416,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
             ValueError: For a range outside the committed tokens, a page given
                 back (sliding window), a cache off the host or a quantized one.
         """
+        if not self.capabilities.blending:
+            self._unsupported("blending", "read_tokens")
         if self.params.cache_dtype not in (DType.float32, DType.float16):
             raise ValueError(f"read_tokens reads float caches, not {self.params.encoding}")
         with self._lock:
@@ -449,21 +456,34 @@ class PagedKVCacheManager(KVCacheManagerBase):
         prefill reused it from elsewhere): pages holding any of it are never
         registered in the prefix cache, so no other prompt takes them for the
         exact KV of their tokens.  Pages wholly before ``position`` are
-        registered as usual.  Call it before the commit of those tokens.
+        registered as usual.  Call it before the commit of those tokens
+        (capability ``blending``).
 
         Raises:
             ValueError: If ``seq_id`` is not claimed or ``position`` is negative.
         """
+        if not self.capabilities.blending:
+            self._unsupported("blending", "mark_blended")
         position = require_int("position", position, 0)
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
             current = self._seqs[seq].blended_from
             self._seqs[seq].blended_from = position if current is None else min(current, position)
 
+    # ------------------------------------------------------------ occupancy
+
+    @property
+    def _bounding(self) -> PageTable:
+        """The table whose pages bound how many tokens fit: the full-attention one
+        (the smallest when every table slides).  Its pages are the cache's units."""
+        full = [t for t in self.groups if not t.window.slides]
+        return min(full or self.groups, key=lambda t: t.num_pages)
+
     def units_for(self, tokens: int) -> int:
-        """Pages a sequence of ``tokens`` tokens holds at most: all of them while a
-        step computes them at once (with a sliding window, fewer once committed:
-        :meth:`PageWindow.live_pages <maxkv.cache.window.PageWindow.live_pages>`)."""
+        """Pages a sequence of ``tokens`` tokens holds at most in the bounding table:
+        all of them while a step computes them at once (with a sliding window, fewer
+        once committed: :meth:`PageWindow.live_pages
+        <maxkv.cache.window.PageWindow.live_pages>`)."""
         return self._pages_for(tokens)
 
     def _pages_for(self, tokens: int) -> int:
@@ -471,25 +491,27 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     @property
     def free_units(self) -> int:
-        """Free pages (cached ones included: they are evictable)."""
-        return self.free_pages
+        """Free pages of the bounding table (cached ones included: evictable)."""
+        return self._bounding.free_pages
 
     @property
     def total_units(self) -> int:
-        """Pages in the cache."""
-        return self.num_pages
+        """Pages of the bounding table."""
+        return self._bounding.num_pages
 
     def units_held(self, seq_id: int) -> list[int]:
-        """The pages ``seq_id`` holds (those its window gave back left out)."""
-        return [p for p in self.pages(seq_id) if p != UNUSED_PAGE]
+        """The pages ``seq_id`` holds in the bounding table (those its window gave back
+        left out; :meth:`group_pages` has every table's)."""
+        with self._lock:
+            (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
+            return list(self._bounding.rows[seq].held)
 
     @property
     def longest_sequence(self) -> int:
-        """``max_seq_len``, or the tokens all pages hold if fewer (a sliding window
-        gives pages back as it goes: then any length)."""
-        if self.window.slides:
-            return self.max_seq_len
-        return min(self.max_seq_len, self.num_pages * self.page_size)
+        """``max_seq_len``, or the tokens a full-attention table's pages hold if fewer
+        (sliding tables give pages back as they go: then any length)."""
+        full = [t.num_pages for t in self.groups if not t.window.slides]
+        return min([self.max_seq_len, *(n * self.page_size for n in full)])
 
     def describe(self) -> str:
         """``paged cache: N pages of T tokens (M MiB, E KV), ...``: pages, size,
@@ -508,7 +530,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def _describe_tiers(self) -> str:
         """``, KV tiers: host ..., disk ..., Redis ...`` (empty without tiers)."""
-        tiers = self.tiers
+        tiers = self.table.tiers
         if tiers is None:
             return ""
         c = tiers.config
@@ -534,103 +556,60 @@ class PagedKVCacheManager(KVCacheManagerBase):
         self._require_prefix_caching("prefix_block_size")
         return self.page_size
 
-    def _prefix_plan(self, tokens: list[int], salt: str | None, *, tiers: bool = True) -> _Prefix:
-        """The longest page-aligned prefix of ``tokens[:-1]`` a claim can reuse now.
-
-        Held from its start: registered device pages, then blocks a tier holds
-        (not asked if not ``tiers``).  With a sliding window, also a prefix
-        whose early pages are gone but whose last ``window - 1`` tokens' pages
-        are on the device (vLLM's sliding-window hit rule, searched from the
-        right); the longer one wins."""
-        hashes, found, runs = self._lookup(tokens, salt)
-        pages: list[int] = []
-        for page in found:
-            if page is None:
-                break
-            pages.append(page)
-        in_tiers = 0
-        if tiers and self._connector is not None and len(pages) < len(hashes):
-            from ..tiers.connector import LEAF
-
-            held = self._connector.lookup(hashes[len(pages) :])[LEAF]
-            while in_tiers < len(held) and held[in_tiers]:
-                in_tiers += 1
-        best = _Prefix(0, pages, hashes, in_tiers)
-        if self.window.slides:
-            for m in range(len(hashes), best.reused, -1):
-                plan = self._prefix_at(hashes, found, runs, m)
-                if plan is not None:
-                    return plan
-        return best
-
-    def _lookup(
-        self, tokens: list[int], salt: str | None
-    ) -> tuple[list[bytes], list[int | None], list[int]]:
-        """The hashes of the full pages of ``tokens[:-1]``, the device page registered
-        under each, and per page how many pages in a row up to it are registered."""
+    def _lookup(self, tokens: list[int], salt: str | None) -> tuple[list[bytes], list[_Found]]:
+        """The hashes of the full pages of ``tokens[:-1]`` (hashed once), and per table
+        the device page registered under each and its runs (:meth:`PageTable.lookup`)."""
         hashes = block_hashes(tokens[:-1], self.page_size, root_hash(salt))
-        found = [self._pool.lookup(block) for block in hashes]
-        return hashes, found, held_runs([page is not None for page in found])
+        return hashes, [t.lookup(hashes) for t in self.groups]
 
-    def _held(self, hashes: list[bytes], found: list[int | None]) -> list[bool]:
-        """Per full page of a prompt (:meth:`_lookup`): whether the device or a KV tier
-        holds its block (the tiers asked once, for the pages the device lacks)."""
-        held = [page is not None for page in found]
-        ask = [i for i, on_device in enumerate(held) if not on_device]
-        if self._connector is not None and ask:
-            from ..tiers.connector import LEAF
+    def _prefix_plan(
+        self, tokens: list[int], salt: str | None, *, tiers: bool = True
+    ) -> tuple[int, list[Prefix]]:
+        """The most pages of ``tokens[:-1]`` a claim can reuse now in every table (from
+        the devices, then from the KV tiers unless not ``tiers``), and each table's
+        plan for them."""
+        return self._longest(*self._lookup(tokens, salt), tiers=tiers)
 
-            in_tiers = self._connector.lookup([hashes[i] for i in ask])[LEAF]
-            for i, there in zip(ask, in_tiers, strict=True):
-                held[i] = bool(there)
-        return held
-
-    def _prefix_fits(self, runs: list[int], m: int) -> bool:
-        """Whether reusing exactly ``m`` pages gives this cache's layers all they need
-        of them (the pages of the window, or all ``m``); ``runs``: per page, how many
-        pages in a row up to it are held (:func:`held_runs`)."""
-        return m == 0 or runs[m - 1] >= m - self.window.first_live_page(m * self.page_size)
-
-    def _prefix_at(
-        self, hashes: list[bytes], found: list[int | None], runs: list[int], m: int
-    ) -> _Prefix | None:
-        """Reusing exactly ``m`` pages (:meth:`_prefix_fits`; else ``None``): device
-        pages from the first page needed, then blocks loaded from the tiers.  With
-        ``runs`` of the device's pages alone (:meth:`_lookup`) every page is on the
-        device; with those of :meth:`_held` the tiers give the rest, and a block
-        whose page is on the device after all is shared, not copied (the registry
-        gives the registered page back)."""
-        if not self._prefix_fits(runs, m):
-            return None
-        if m == 0:
-            return _Prefix(0, [], hashes, 0)
-        start = self.window.first_live_page(m * self.page_size)
-        pages: list[int] = []
-        for page in found[start:m]:
-            if page is None:
-                break
-            pages.append(page)
-        return _Prefix(start, pages, hashes, m - start - len(pages))
+    def _longest(
+        self, hashes: list[bytes], looks: list[_Found], *, tiers: bool
+    ) -> tuple[int, list[Prefix]]:
+        """:meth:`_prefix_plan` over :meth:`_lookup`'s answer: the longest ``m`` that
+        every table's layers get what they need of (:meth:`PageTable.prefix_fits`)."""
+        runs = [
+            held_runs(t.held(hashes, found)) if tiers else device_runs
+            for t, (found, device_runs) in zip(self.groups, looks, strict=True)
+        ]
+        for m in range(len(hashes), 0, -1):
+            if all(t.prefix_fits(r, m) for t, r in zip(self.groups, runs, strict=True)):
+                plans = [
+                    t.prefix_at(hashes, found, r, m)
+                    for t, (found, _), r in zip(self.groups, looks, runs, strict=True)
+                ]
+                return m, [plan for plan in plans if plan is not None]
+        return 0, [Prefix(0, [], hashes, 0) for _ in self.groups]
 
     def pages_to_claim(self, prompt: Sequence[int], *, salt: str | None = None) -> int:
-        """Free pages :meth:`claim_prefix` and a first step over all of ``prompt`` would
-        take now: its pages, less the cached ones other sequences hold and those
-        before its window (free cached pages and pages loaded from the tiers come
-        from the free pages too)."""
+        """Free pages of every table :meth:`claim_prefix` and a first step over all of
+        ``prompt`` would take now: its pages, less the cached ones other sequences
+        hold and those before a window (free cached pages and pages loaded from the
+        tiers come from the free pages too)."""
         with self._lock:
             tokens = self._prompt(prompt)
-            held = start = 0
+            plans = [Prefix(0, [], [], 0) for _ in self.groups]
             if self._prefix_caching:
-                plan = self._prefix_plan(tokens, salt, tiers=False)
-                held = sum(1 for p in plan.pages if self._pool.refcount(p) > 0)
-                start = plan.start
-            return self._pages_for(len(tokens)) - start - held
+                _, plans = self._prefix_plan(tokens, salt, tiers=False)
+            return sum(
+                t.pages_for(len(tokens))
+                - plan.start
+                - sum(1 for p in plan.pages if t.pool.refcount(p) > 0)
+                for t, plan in zip(self.groups, plans, strict=True)
+            )
 
     @property
     def host_pages(self) -> bool:
         """Whether the pages are in host memory (a CPU cache: attention sinks rotate keys
         there; tiers and swap copy a GPU cache's pages through staging memory)."""
-        return all(b.is_host for b in self._pages)
+        return all(b.is_host for t in self.groups for b in t.buffers)
 
     def prefix_hits(self, prompt: Sequence[int], *, salt: str | None = None) -> tuple[int, int]:
         """Pages of ``prompt``'s prefix :meth:`claim_prefix` would reuse now: ``(on the
@@ -639,96 +618,74 @@ class PagedKVCacheManager(KVCacheManagerBase):
         device."""
         with self._lock:
             self._require_prefix_caching("prefix_hits")
-            plan = self._prefix_plan(self._prompt(prompt), salt)
-            return plan.start + len(plan.pages), plan.in_tiers
+            hashes, looks = self._lookup(self._prompt(prompt), salt)  # hashed once
+            on_device, _ = self._longest(hashes, looks, tiers=False)
+            reused, _ = self._longest(hashes, looks, tiers=True)
+            return on_device, max(0, reused - on_device)
 
     def prefetch(self, prompt: Sequence[int], *, salt: str | None = None) -> None:
         """A request arrived: the blocks of its prefix that only the disk or Redis tier
         holds start coming into host memory, on the tiers' thread, so that
         :meth:`claim_prefix` reads them from memory (no-op without tiers)."""
-        if self._connector is None or not self._prefix_caching:
+        if not self._prefix_caching or all(t.connector is None for t in self.groups):
             return
         with self._lock:
-            plan = self._prefix_plan(self._prompt(prompt), salt, tiers=False)
-        if plan.start == 0:
-            self._connector.store.prefetch(plan.hashes[len(plan.pages) :], tenant=salt)
+            _, plans = self._prefix_plan(self._prompt(prompt), salt, tiers=False)
+        for table, plan in zip(self.groups, plans, strict=True):
+            if table.connector is not None and plan.start == 0:
+                table.connector.store.prefetch(plan.hashes[len(plan.pages) :], tenant=salt)
+
+    @property
+    def tier_hit_tokens(self) -> int:
+        """Prompt tokens loaded from the tiers instead of computed (the bounding
+        table's count: every token of the prefix)."""
+        return self._bounding.tier_hit_tokens
 
     def _storage_find_prefix(self, tokens: list[int], salt: str | None) -> int:
-        return self._prefix_plan(tokens, salt).reused * self.page_size
+        return self._prefix_plan(tokens, salt)[0] * self.page_size
 
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
-        plan = self._prefix_plan(tokens, salt)
+        _, plans = self._prefix_plan(tokens, salt)
         (seq_id,) = self._storage_claim(1)
-        return seq_id, self._adopt_prefix(seq_id, tokens, salt, plan)
-
-    def _adopt_prefix(self, seq_id: int, tokens: list[int], salt: str | None, plan: _Prefix) -> int:
-        """``seq_id`` (claimed, empty) takes the prefix ``plan`` reuses; returns its tokens."""
-        pages = plan.pages
-        self._pool.share(pages)
-        on_device = plan.start + len(pages)
-        if self._connector is not None and pages:
-            self._connector.touch(plan.hashes[plan.start : on_device])
-        if plan.in_tiers:
-            pages += self._load_from_tiers(plan.hashes[on_device : on_device + plan.in_tiers], salt)
-        reused = plan.start + len(pages)
-        self.tier_hit_tokens += (reused - on_device) * self.page_size
-        cached = reused * self.page_size
+        reused = {t.adopt(seq_id, plan, salt) for t, plan in zip(self.groups, plans, strict=True)}
+        if len(reused) > 1:
+            # A tier could not give a table a block (gone, refused, no free page): every
+            # table starts again from what the devices hold now, the loaded blocks
+            # included (they are registered pages now).
+            for table in self.groups:
+                table.drop(seq_id)
+            _, plans = self._prefix_plan(tokens, salt, tiers=False)
+            reused = {t.adopt(seq_id, p, salt) for t, p in zip(self.groups, plans, strict=True)}
+        (pages,) = reused
+        cached = pages * self.page_size
         state = self._seqs[seq_id]
-        self.table.add(seq_id, PageRow([UNUSED_PAGE] * plan.start + pages, plan.start))
         state.tokens = tokens[:cached]
         state.salt = salt
-        state.hashes = plan.hashes[:reused]
+        state.hashes = plans[0].hashes[:pages]
         self._lengths[seq_id] = cached
-        self._give_back(seq_id)
-        return cached
-
-    def _load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
-        """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
-        pages, in order, up to the first one no tier can give (or the last free page);
-        a block registered on the device is shared instead; returns the pages."""
-        from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
-
-        assert self._connector is not None
-        loaded: list[int] = []
-        for block in hashes:
-            registered = self._pool.lookup(block)
-            if registered is not None:  # on the device after all (a hybrid cache's plan)
-                self._pool.share([registered])
-                loaded.append(registered)
-                continue
-            if self._pool.free_count == 0:
-                break
-            (page,) = self._pool.allocate(1)
-            try:
-                self._connector.load({LEAF: [page]}, {LEAF: [block]}, tenant=salt)
-            except (KVLoadRefused, KVLoadFailed):
-                self._pool.free([page])
-                break
-            except Exception:  # a tier's own failure: recompute, never fail the claim
-                logger.exception("maxkv: loading block %s from the KV tiers failed", block.hex())
-                self._pool.free([page])
-                break
-            registered = self._pool.register(page, block)
-            if registered != page:
-                self._pool.share([registered])
-                self._pool.free([page])
-            loaded.append(registered)
-        return loaded
+        for table in self.groups:
+            table.give_back(seq_id, cached)
+        return seq_id, cached
 
     def _storage_prefix_counters(self) -> tuple[int, int]:
-        return self._pool.counters.evictions, self._pool.cached_count
+        return (
+            sum(t.pool.counters.evictions for t in self.groups),
+            sum(t.pool.cached_count for t in self.groups),
+        )
 
     def _storage_reset_prefix_cache(self) -> None:
-        self._pool.reset_cache()
-        if self._connector is not None:
-            self._connector.reset_prefix_cache()
+        for table in self.groups:
+            table.reset_prefix_cache()
 
     def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
-        """Registers the pages the committed tokens filled (prefix caching)."""
+        """Registers the pages the committed tokens filled, in every table (prefix
+        caching), and offloads the new ones to the tables' tiers."""
         if not self._prefix_caching:
             return
-        # Per tenant (salt): each one's pages are signed with its own key.
-        new_blocks: dict[str | None, tuple[list[int], list[bytes]]] = {}
+        # Per table and tenant (salt): each one's pages are signed with its own key.
+        new_blocks: list[dict[str | None, tuple[list[int], list[bytes]]]] = [
+            {} for _ in self.groups
+        ]
         for seq_id, ids in tokens.items():
             state = self._seqs[seq_id]
             if state.sinks is not None and state.sinks.evicted:
@@ -740,56 +697,46 @@ class PagedKVCacheManager(KVCacheManagerBase):
             hashes = state.hashes
             parent = hashes[-1] if hashes else root_hash(state.salt)
             start = len(hashes) * self.page_size
-            pages = self.table.rows[seq_id].pages
             for block in block_hashes(exact, self.page_size, parent, start):
                 index = len(hashes)
-                page = pages[index]
-                registered = self._pool.register(page, block)
-                if registered != page:  # the same content is cached already: share it
-                    self._pool.share([registered])
-                    pages[index] = registered
-                    self._pool.free([page])
-                else:
-                    new_pages, new_hashes = new_blocks.setdefault(state.salt, ([], []))
-                    new_pages.append(page)
-                    new_hashes.append(block)
+                for table, new in zip(self.groups, new_blocks, strict=True):
+                    page = table.register(seq_id, index, block)
+                    if page is not None:
+                        new_pages, new_hashes = new.setdefault(state.salt, ([], []))
+                        new_pages.append(page)
+                        new_hashes.append(block)
                 hashes.append(block)
-        if self._connector is not None:
-            from ..tiers.connector import LEAF
-
-            for salt, (new_pages, new_hashes) in new_blocks.items():
-                self._connector.offload({LEAF: new_pages}, {LEAF: new_hashes}, tenant=salt)
+        for table, new in zip(self.groups, new_blocks, strict=True):
+            for salt, (new_pages, new_hashes) in new.items():
+                table.offload(new_pages, new_hashes, salt)
 
     # ------------------------------------------------------------- tiers
 
     def block_layout(self, model_id: str) -> BlockLayout:
         """What one page is outside the device, for the model ``model_id``."""
-        p = self.params
-        return BlockLayout(
-            model_id=model_id or "unnamed",
-            kind="page",
-            num_layers=self.num_layers,
-            n_kv_heads=p.n_kv_heads,
-            head_dim=p.head_width,  # a stored head row (quantized: with its scales)
-            dtype=p.row_format,
-            page_size=self.page_size,
-            devices=p.n_devices,
-        )
+        return self.table.block_layout(model_id)
 
     @property
     def tiers(self) -> TieredBlockStore | None:
-        """The KV tiers (host, disk, Redis) this cache offloads to; ``None`` without."""
-        return self._connector.store if self._connector is not None else None
+        """The KV tiers (host, disk, Redis) this cache offloads to; ``None`` without
+        (a hybrid cache's: those of its first table; every table has its own)."""
+        return self.table.tiers
 
     @property
     def connector(self) -> TieredConnector | None:
-        """The tiers behind MAX's ``KVConnector`` protocol; ``None`` without tiers."""
-        return self._connector
+        """The tiers behind MAX's ``KVConnector`` protocol; ``None`` without tiers (a
+        hybrid cache's: its first table's; :attr:`connectors` has every table's)."""
+        return self.table.connector
+
+    @property
+    def connectors(self) -> list[TieredConnector]:
+        """Every page table's tiers (none without tiers)."""
+        return [t.connector for t in self.groups if t.connector is not None]
 
     def close(self) -> None:
         """Finishes the tiers' queued writes and stops their thread (no-op without tiers)."""
-        if self._connector is not None:
-            self._connector.shutdown()
+        for table in self.groups:
+            table.close()
 
     # -------------------------------------------------------------- swap
 
@@ -802,9 +749,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def swap_out(self, seq_id: int) -> SwappedSequence:
         """Preemption by swap, between rounds: moves ``seq_id`` to host memory.
 
-        Copies its pages to host memory and releases it (``seq_id`` and its
-        pages are free; registered pages stay findable on the device until
-        evicted).  :meth:`swap_in` continues it.
+        Copies its pages (of every table) to host memory and releases it
+        (``seq_id`` and its pages are free; registered pages stay findable on
+        the device until evicted).  :meth:`swap_in` continues it.
 
         Raises:
             ValueError: If ``seq_id`` is not claimed, or the cache is not in
@@ -814,59 +761,60 @@ class PagedKVCacheManager(KVCacheManagerBase):
         """
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
-            swapped = self._swap_capture(seq)
+            nbytes = sum(t.swap_nbytes(seq) for t in self.groups)
+            budget = self._tier_config.swap_bytes
+            if self.swapped_bytes + nbytes > budget:
+                raise CacheFullError(
+                    f"swap space full: seq_id {seq} needs {nbytes} bytes, "
+                    f"{budget - self.swapped_bytes} of {budget} are free"
+                )
+            parts = [t.capture(seq) for t in self.groups]
+            state = self._seqs[seq].copy()
+            length = self._lengths[seq]
+            if len(parts) == 1:
+                ((blocks, first),) = parts
+                swapped = SwappedSequence(length, blocks, state, first)
+            else:
+                groups = tuple(SwappedSequence(length, b, state, f) for b, f in parts)
+                swapped = SwappedSequence(length, np.zeros((0,), np.float32), state, 0, groups)
+            self._swapped[swapped.number] = nbytes
             self.release(seq)
             return swapped
 
-    def _swap_capture(self, seq: int) -> SwappedSequence:
-        """:meth:`swap_out` less the release: ``seq``'s pages copied to host memory
-        and its record frozen, the swap space taken (``CacheFullError`` if it
-        cannot, nothing changed)."""
-        from ..tiers.connector import PageBuffers
-
-        io = PageBuffers(self._pages)
-        row = self.table.rows[seq]
-        held = row.held
-        nbytes = len(held) * io.page_nbytes
-        budget = self._tier_config.swap_bytes
-        if self.swapped_bytes + nbytes > budget:
-            raise CacheFullError(
-                f"swap space full: seq_id {seq} needs {nbytes} bytes, "
-                f"{budget - self.swapped_bytes} of {budget} are free"
+    def _swap_parts(self, swapped: SwappedSequence) -> list[SwappedSequence]:
+        """Per table, the part of ``swapped`` it holds the pages of."""
+        if not isinstance(swapped, SwappedSequence):
+            raise ArgumentTypeError(
+                f"swapped must be a SwappedSequence, got {type(swapped).__name__}"
             )
-        if held:
-            blocks = io.read_pages(held)
-        else:
-            blocks = np.zeros((0, *self.block_layout("").page_shape()), np.float32)
-        swapped = SwappedSequence(
-            self._lengths[seq], blocks, self._seqs[seq].copy(), first_page=row.given_back
-        )
-        self._swapped[swapped.number] = nbytes
-        return swapped
+        parts = list(swapped.groups) if swapped.groups else [swapped]
+        if len(parts) != len(self.groups):
+            raise ValueError(
+                "this sequence was swapped out of another manager (not one with "
+                f"{len(self.groups)} layer groups)"
+            )
+        return parts
 
-    def swap_in_pages(self, swapped: SwappedSequence) -> int:
-        """Free pages :meth:`swap_in` would take now: its pages the device no longer
-        has cached, plus the cached ones nobody holds (they leave the free queue)."""
-        with self._lock:
-            cached = self._swap_in_hits(swapped)
-            return cached.count(None) + self._free_hits(cached)
-
-    def _swap_in_hits(self, swapped: SwappedSequence) -> list[int | None]:
-        """Per page of ``swapped``: the device page registered under its hash, if any."""
-        hashes = swapped.state.hashes[swapped.first_page :]
+    def _swap_hits(self, swapped: SwappedSequence) -> list[list[int | None]]:
         return [
-            self._pool.lookup(hashes[i]) if i < len(hashes) else None
-            for i in range(len(swapped.blocks))
+            t.swap_in_hits(swapped.state.hashes, part.first_page, len(part.blocks))
+            for t, part in zip(self.groups, self._swap_parts(swapped), strict=True)
         ]
 
-    def _free_hits(self, cached: list[int | None]) -> int:
-        return sum(1 for p in {p for p in cached if p is not None} if self._pool.refcount(p) == 0)
+    def swap_in_pages(self, swapped: SwappedSequence) -> int:
+        """Free pages :meth:`swap_in` would take now: its pages the devices no longer
+        have cached, plus the cached ones nobody holds (they leave the free queue)."""
+        with self._lock:
+            return sum(
+                cached.count(None) + t.free_hits(cached)
+                for t, cached in zip(self.groups, self._swap_hits(swapped), strict=True)
+            )
 
     def swap_in(self, swapped: SwappedSequence) -> int:
         """Continues a sequence :meth:`swap_out` moved to host memory; returns its new id.
 
         Its full pages still cached on the device are shared, the others
-        written back from host memory; nothing is recomputed.
+        written back from host memory, in every table; nothing is recomputed.
 
         Raises:
             ValueError: If ``swapped`` was swapped in already (or is not from
@@ -875,57 +823,28 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 (nothing changes; ``swapped`` stays valid).
         """
         with self._lock:
-            cached = self._swap_in_check(swapped)
+            parts = self._swap_parts(swapped)
+            if swapped.number not in self._swapped:
+                raise ValueError("this sequence was swapped in already, or by another manager")
+            if self._free_ids() == 0:
+                raise CacheFullError("no free sequence id to swap in to")
+            hits = self._swap_hits(swapped)
+            for index, (table, cached) in enumerate(zip(self.groups, hits, strict=True)):
+                short = table.swap_in_shortfall(cached)
+                if short:
+                    available = cached.count(None) - short
+                    where = "" if len(self.groups) == 1 else f" in layer group {index}"
+                    raise CacheFullError(
+                        f"swap in needs {cached.count(None)} new pages of {self.page_size} "
+                        f"tokens{where}, {available} are free"
+                    )
             (seq,) = self._storage_claim(1)
-            self._swap_in_apply(seq, swapped, cached)
+            for table, part, cached in zip(self.groups, parts, hits, strict=True):
+                table.swap_in(seq, part.blocks, swapped.state.hashes, part.first_page, cached)
+            self._seqs[seq] = swapped.state.copy()
+            self._lengths[seq] = swapped.length
+            del self._swapped[swapped.number]
             return seq
-
-    def _swap_in_check(self, swapped: SwappedSequence) -> list[int | None]:
-        """:meth:`swap_in`'s checks, before any change: per page of ``swapped``, the
-        device page still registered under its hash (``None``: written back).
-
-        Raises:
-            ValueError: If ``swapped`` is not one of this cache's, waiting.
-            CacheFullError: If no sequence id is free or its pages do not fit now.
-        """
-        if swapped.groups or swapped.number not in self._swapped:
-            raise ValueError("this sequence was swapped in already, or by another manager")
-        if self._free_ids() == 0:
-            raise CacheFullError("no free sequence id to swap in to")
-        cached = self._swap_in_hits(swapped)
-        new = cached.count(None)
-        available = self._pool.free_count - self._free_hits(cached)
-        if new > available:
-            raise CacheFullError(
-                f"swap in needs {new} new pages of {self.page_size} tokens, {available} are free"
-            )
-        return cached
-
-    def _swap_in_apply(self, seq: int, swapped: SwappedSequence, cached: list[int | None]) -> None:
-        """:meth:`swap_in` into the claimed ``seq``, after :meth:`_swap_in_check`."""
-        from ..tiers.connector import PageBuffers
-
-        self._pool.share([p for p in cached if p is not None])
-        fresh = iter(self._pool.allocate(cached.count(None)))
-        io = PageBuffers(self._pages)
-        hashes = swapped.state.hashes[swapped.first_page :]
-        pages = [UNUSED_PAGE] * swapped.first_page
-        written: list[tuple[int, int]] = []  # (page, block index)
-        for i, hit in enumerate(cached):
-            if hit is not None:
-                pages.append(hit)
-                continue
-            page = next(fresh)
-            written.append((page, i))
-            if i < len(hashes):
-                self._pool.register(page, hashes[i])
-            pages.append(page)
-        if written:  # one batch of copies
-            io.write_pages([page for page, _ in written], swapped.blocks[[i for _, i in written]])
-        self._seqs[seq] = swapped.state.copy()
-        self.table.add(seq, PageRow(pages, swapped.first_page))
-        self._lengths[seq] = swapped.length
-        del self._swapped[swapped.number]
 
     # ------------------------------------------------------- storage hooks
 
@@ -941,39 +860,50 @@ class PagedKVCacheManager(KVCacheManagerBase):
         for seq_id in seq_ids:
             self._free_seq_ids.remove(seq_id)
             self._seqs[seq_id] = _Sequence()
-            self.table.add(seq_id)
+            for table in self.groups:
+                table.add(seq_id)
 
     def _storage_release(self, seq_id: int) -> None:
         del self._seqs[seq_id]
-        self.table.drop(seq_id)
+        for table in self.groups:
+            table.drop(seq_id)
         self._free_seq_ids.add(seq_id)
 
     def _storage_reserve(self, seq_ids: list[int], totals: list[int]) -> None:
-        # Plan first (nothing changes if the pages do not suffice), then act.
-        plans, needed = self._reserve_plan(seq_ids, totals)
-        error = self.table.no_room(needed)
-        if error is not None:
-            raise error
-        self._reserve_apply(plans)
-
-    def _reserve_plan(self, seq_ids: list[int], totals: list[int]) -> tuple[list[ReservePlan], int]:
-        """:meth:`PageTable.reserve_plan` at the sequences' committed lengths."""
-        return self.table.reserve_plan(seq_ids, [self._lengths[s] for s in seq_ids], totals)
-
-    def _reserve_apply(self, plans: list[ReservePlan]) -> None:
-        self.table.reserve_apply(plans, [self._lengths[plan.seq_id] for plan in plans])
+        # Plan first in every table (nothing changes if one lacks pages), then act.
+        lengths = [self._lengths[s] for s in seq_ids]
+        plans = [t.reserve_plan(seq_ids, lengths, totals) for t in self.groups]
+        for index, (table, (_, needed)) in enumerate(zip(self.groups, plans, strict=True)):
+            window = table.window.window
+            what = (
+                ""
+                if len(self.groups) == 1
+                else f" in layer group {index} ("
+                f"{'full attention' if window is None else f'window {window}'})"
+            )
+            error = table.no_room(needed, what)
+            if error is not None:
+                raise error
+        for table, (plan, _) in zip(self.groups, plans, strict=True):
+            table.reserve_apply(plan, lengths)
 
     def _storage_inputs(
         self, seq_ids: list[int], lengths: np.ndarray, max_lengths: np.ndarray
     ) -> list[CacheInputs]:
-        return [*self.table.seq_inputs(seq_ids, lengths, max_lengths)]
+        per_table = [t.seq_inputs(seq_ids, lengths, max_lengths) for t in self.groups]
+        if len(per_table) == 1:
+            return [*per_table[0]]
+        return [
+            tuple(b for inputs in device for b in inputs) for device in zip(*per_table, strict=True)
+        ]
 
     def _storage_room(self, seq_id: int) -> int:
-        return self.table.room(seq_id)
+        return min(t.room(seq_id) for t in self.groups)
 
     def _storage_committed(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
-            self._give_back(seq_id)
+            for table in self.groups:
+                table.give_back(seq_id, self._lengths[seq_id])
             self._slide(seq_id)
 
     # ------------------------------------------------------ attention sinks
@@ -1000,6 +930,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 (``sliding_window``), no ``key_rotation`` was given, or the
                 cache is not in host memory.
         """
+        if not self.capabilities.sinks:
+            self._unsupported("sinks", "enable_attention_sinks")
         with self._lock:
             (seq,) = self._validate_ids([seq_id], must_be_claimed=True)
             window = require_int("window", window, 1)
@@ -1072,35 +1004,32 @@ class PagedKVCacheManager(KVCacheManagerBase):
             del self._seqs[seq_id].hashes[first:]
             del self._seqs[seq_id].tokens[sinks:]
 
-    def _give_back(self, seq_id: int) -> None:
-        """Frees the pages of ``seq_id`` that are wholly before its window now."""
-        self.table.give_back(seq_id, self._lengths[seq_id])
-
-    def _check_window(self, seq_id: int, length: int, what: str) -> None:
-        """Raises if a sequence ``seq_id`` cut to ``length`` tokens would attend to
-        positions whose pages it gave back."""
-        self.table.check_window(seq_id, length, what)
-
     def _storage_truncate(self, seq_id: int, length: int) -> None:
-        self._check_window(seq_id, length, "cannot pop_n")
+        for table in self.groups:
+            table.check_window(seq_id, length, "cannot pop_n")
         stream = self._seqs[seq_id].sinks
         if stream is not None and length <= stream.sink_pages * self.page_size:
             stream.evicted = 0  # what is left is the sequence's first tokens again
-        self.table.truncate(seq_id, length)
+        for table in self.groups:
+            table.truncate(seq_id, length)
         if self._prefix_caching:
             del self._seqs[seq_id].tokens[length:]
             del self._seqs[seq_id].hashes[length // self.page_size :]
 
     def _storage_fork(self, parent: int, child: int, fork_pos: int) -> None:
-        full = fork_pos // self.page_size
-        partial = fork_pos % self.page_size
-        self._check_window(parent, fork_pos, "cannot fork")
-        if partial and self._pool.free_count < 1:
+        for table in self.groups:
+            table.check_window(parent, fork_pos, "cannot fork")
+        if fork_pos % self.page_size and any(t.pool.free_count < 1 for t in self.groups):
             raise CacheFullError(
                 f"cannot fork seq_id {parent} at {fork_pos}: its partial page needs a copy "
-                "and no page is free"
+                + (
+                    "and no page is free"
+                    if len(self.groups) == 1
+                    else "in every layer group and a group has no free page"
+                )
             )
-        self.table.fork(parent, child, fork_pos)
+        for table in self.groups:
+            table.fork(parent, child, fork_pos)
         state, child_state = self._seqs[parent], self._seqs[child]
         stream = state.sinks
         if stream is not None:
@@ -1109,6 +1038,26 @@ class PagedKVCacheManager(KVCacheManagerBase):
         if self._prefix_caching:
             child_state.tokens = state.tokens[:fork_pos]
             child_state.salt = state.salt
-            child_state.hashes = state.hashes[:full]
+            child_state.hashes = state.hashes[: fork_pos // self.page_size]
         if state.blended_from is not None and state.blended_from < fork_pos:
             child_state.blended_from = state.blended_from
+
+
+#: Per table, :meth:`PageTable.lookup`'s answer for a prompt's hashes.
+_Found = tuple[list[int | None], list[int]]
+
+
+def _check_tiers(tiers: TierConfig | None, enable_prefix_caching: bool) -> None:
+    if tiers is not None and not isinstance(tiers, TierConfig):
+        raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+    if tiers is not None and tiers.any_tier and not enable_prefix_caching:
+        raise ValueError(
+            "KV tiers keep pages under their prefix hash: they need enable_prefix_caching=True"
+        )
+
+
+def _check_num_pages(num_pages: int) -> int:
+    num_pages = require_int("num_pages", num_pages, 1)
+    if num_pages >= UNUSED_PAGE:
+        raise ValueError(f"num_pages must be below {UNUSED_PAGE}, got {num_pages}")
+    return num_pages

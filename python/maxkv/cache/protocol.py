@@ -604,6 +604,15 @@ class KVCacheManagerBase(ABC):
                 offsets do not match the batch, or no further step was
                 fetched (``max_lengths`` has a single row).
         """
+        return self._increment(self.cache_device, kv_cache_inputs, prev_model_inputs)
+
+    def _increment(
+        self,
+        cache_device: CacheDevice,
+        kv_cache_inputs: Sequence[CacheInputs],
+        prev_model_inputs: Any,
+    ) -> list[CacheInputs]:
+        """:meth:`increment_cache_lengths` of one cache's 4-tuples, by ``cache_device``."""
         if len(kv_cache_inputs) != len(self.devices):
             raise ValueError(
                 f"expected one 4-tuple per device ({len(self.devices)}), got {len(kv_cache_inputs)}"
@@ -626,9 +635,7 @@ class KVCacheManagerBase(ABC):
                     f"input_row_offsets has {row_offsets.shape[0]} entries, expected "
                     f"batch + 1 = {lengths.shape[0] + 1}"
                 )
-        new_lengths = self.cache_device.increment(
-            row_offsets, [inputs[1] for inputs in kv_cache_inputs]
-        )
+        new_lengths = cache_device.increment(row_offsets, [inputs[1] for inputs in kv_cache_inputs])
         return [
             KVCacheInputs(storage, lengths, table, max_lengths[1:, :])
             for (storage, _, table, max_lengths), lengths in zip(

@@ -413,12 +413,15 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         raise NotImplementedError("maxkv: data-parallel padding requests are not supported")
 
     def host_byte_count(self) -> Any:
-        connector = getattr(self.manager, "connector", None)
-        return connector.host_byte_count if connector is not None else ByteCount(0, 0)
+        return self._byte_count("host_byte_count")
 
     def disk_byte_count(self) -> Any:
-        connector = getattr(self.manager, "connector", None)
-        return connector.disk_byte_count if connector is not None else ByteCount(0, 0)
+        return self._byte_count("disk_byte_count")
+
+    def _byte_count(self, which: str) -> Any:
+        """The tiers' bytes of every page table (a hybrid cache's layer groups) together."""
+        counts = [getattr(c, which) for c in getattr(self.manager, "connectors", ())]
+        return ByteCount(free=sum(c.free for c in counts), total=sum(c.total for c in counts))
 
     def poll_transfers(self) -> None:
         pass
