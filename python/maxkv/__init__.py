@@ -7,8 +7,8 @@ cache and hands a graph four tensors per device; inside the graph,
 :class:`FetchPagedKVCacheCollection`) wraps them into one opaque collection
 that maxkv's Mojo ops (:mod:`maxkv.ops`) consume.  Load :func:`kernels_path`
 as a custom extension.  :class:`HybridKVCacheManager` groups the layers of a
-model with sliding-window and full-attention layers (Gemma 3), a paged cache
-and a collection per group.
+model with sliding-window and full-attention layers (Gemma 3): the paged
+manager with a page table and a collection per group.
 
 The packages, bottom to top: :mod:`maxkv.cache` (the managers' bookkeeping),
 :mod:`maxkv.graph` (collection types and KV-cache ops), :mod:`maxkv.cpu`
