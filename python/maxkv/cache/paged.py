@@ -366,7 +366,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
 
     def pages(self, seq_id: int) -> tuple[int, ...]:
         """The pages ``seq_id`` holds, in token order (its page-table row), with
-        :data:`UNUSED_PAGE` in place of the pages it gave back (sliding window).
+        :data:`UNUSED_PAGE` in place of the pages it gave back (sliding window);
+        of the first table where there are several (:meth:`group_pages`: every one).
 
         Raises:
             ValueError: If ``seq_id`` is not claimed.
@@ -388,14 +389,15 @@ class PagedKVCacheManager(KVCacheManagerBase):
             return sum(len(t.rows[seq].held) * t.nbytes_per_page for t in self.groups)
 
     def page_refcount(self, page: int) -> int:
-        """How many sequences hold ``page`` (0: free)."""
+        """How many sequences hold ``page`` of the first table (0: free)."""
         with self._lock:
             if not 0 <= page < self.table.num_pages:
                 raise ValueError(f"page {page} is out of range [0, {self.table.num_pages})")
             return self._pool.refcount(page)
 
     def page_is_cached(self, page: int) -> bool:
-        """Whether ``page`` is registered in the prefix cache (and so read-only)."""
+        """Whether ``page`` of the first table is registered in the prefix cache (and
+        so read-only)."""
         with self._lock:
             if not 0 <= page < self.table.num_pages:
                 raise ValueError(f"page {page} is out of range [0, {self.table.num_pages})")
