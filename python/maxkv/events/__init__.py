@@ -1,0 +1,37 @@
+"""KV events in vLLM's wire format: which blocks a server's cache holds, for
+KV-aware routers (vllm-router's ``kv_aware`` policy, Dynamo's indexer, llm-d).
+
+:mod:`maxkv.events.wire` is the format (msgspec structs, vLLM's field for
+field); :mod:`maxkv.events.publisher` the ZMQ publisher with replay.
+"""
+
+from __future__ import annotations
+
+from .publisher import EventPublisherStats, ZmqEventPublisher
+from .wire import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    event_hash,
+)
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventPublisherStats",
+    "KVEventBatch",
+    "ZmqEventPublisher",
+    "decode_batch",
+    "encode_batch",
+    "event_hash",
+]
