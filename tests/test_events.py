@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 import zmq
@@ -105,26 +103,41 @@ def test_publisher_streams_numbered_batches_and_replays_them() -> None:
         assert publisher._replay is not None
         replay_endpoint = publisher._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVTIMEO, 20_000)  # a hang would be a failure, not a stall
         sub.connect(endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-        time.sleep(0.3)  # the slow joiner: the subscription reaches the publisher
-        batches = [[AllBlocksCleared()], [BlockRemoved([7], "GPU")], [BlockRemoved([8], "GPU")]]
+        # A subscription reaches the publisher after a while (ZMQ's slow joiner):
+        # publish until one batch arrives, then check the stream from there.
+        first = None
+        for _ in range(200):
+            assert publisher.publish([AllBlocksCleared()])
+            if sub.poll(50):
+                first = int.from_bytes(sub.recv_multipart()[1], "big")
+                break
+        assert first is not None, "no batch reached the subscriber"
+        while sub.poll(200):  # the probes still in flight
+            first = int.from_bytes(sub.recv_multipart()[1], "big")
+        batches = [[BlockRemoved([7], "GPU")], [BlockRemoved([8], "GPU")], [AllBlocksCleared()]]
         for events in batches:
             assert publisher.publish(events)
         assert publisher.publish([])  # nothing to send
         received = [sub.recv_multipart() for _ in batches]
         assert [r[0] for r in received] == [b"kv"] * 3
-        assert [int.from_bytes(r[1], "big") for r in received] == [0, 1, 2]
+        seqs = [int.from_bytes(r[1], "big") for r in received]
+        assert seqs == [first + 1, first + 2, first + 3]
         assert [decode_batch(r[2]).events for r in received] == batches
 
         dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 20_000)
         dealer.connect(replay_endpoint)
-        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        dealer.send_multipart([b"", seqs[1].to_bytes(8, "big")])
         replies = [dealer.recv_multipart() for _ in range(3)]
-        assert [int.from_bytes(r[2], "big") for r in replies[:2]] == [1, 2]
+        assert [int.from_bytes(r[2], "big") for r in replies[:2]] == seqs[1:]
         assert [r[1] for r in replies[:2]] == [b"kv", b"kv"]
+        assert [decode_batch(r[3]).events for r in replies[:2]] == batches[1:]
         assert replies[2] == [b"", b"", b"\xff" * 8, b""]
-        assert publisher.stats.batches_published == 3 and publisher.stats.events_published == 3
+        assert publisher.stats.batches_published == seqs[-1] + 1
+        assert publisher.stats.replays_served == 1
         sub.close(linger=0)
         dealer.close(linger=0)
     finally:

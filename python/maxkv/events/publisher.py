@@ -174,8 +174,8 @@ class ZmqEventPublisher:
                     replay.send_multipart(
                         (identity, b"", self.topic, seq.to_bytes(8, "big"), payload)
                     )
+            self.stats.replays_served += 1  # counted before the end marker: then it is true
             replay.send_multipart((identity, b"", b"", END_SEQ, b""))
-            self.stats.replays_served += 1
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
