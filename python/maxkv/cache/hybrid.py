@@ -152,7 +152,7 @@ class HybridKVCacheManager(PagedKVCacheManager):
 
     #: Admission by pages, swap and KV tiers, in every group; no attention sinks or
     #: CacheBlend yet.
-    capabilities = CacheCapabilities(pages=True, swap=True, tiers=True)
+    capabilities = CacheCapabilities(pages=True, swap=True, tiers=True, events=True)
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ reuses it; a prefix hit on a free cached page takes it off the queue.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -48,6 +48,8 @@ class PagePool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
+        #: Told the hashes of the cached pages :meth:`allocate` evicts (KV events).
+        self.on_evict: Callable[[list[bytes]], None] | None = None
 
     # ------------------------------------------------------------- queries
 
@@ -69,6 +71,10 @@ class PagePool:
         """Whether ``page`` is registered under a content hash (and so read-only)."""
         return page in self._hash_of_page
 
+    def cached_hashes(self) -> set[bytes]:
+        """The content hashes of the cached pages (held or free)."""
+        return set(self._page_of_hash)
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The page registered under ``block_hash``, held or free; ``None`` if none."""
         return self._page_of_hash.get(block_hash)
@@ -84,12 +90,18 @@ class PagePool:
         if n > len(self._free):
             raise ValueError(f"out of pages: {n} needed, {len(self._free)} free")
         pages = []
+        evicted = []
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
-            if self._uncache(page):
-                self.counters.evictions += 1
+            block_hash = self._uncache(page)
+            if block_hash is not None:
+                evicted.append(block_hash)
             self._refcounts[page] = 1
             pages.append(page)
+        if evicted:
+            self.counters.evictions += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         return pages
 
     def share(self, pages: Iterable[int]) -> None:
@@ -142,9 +154,8 @@ class PagePool:
         # Free pages are all equal now: keep their order, nothing to evict.
         return dropped
 
-    def _uncache(self, page: int) -> bool:
+    def _uncache(self, page: int) -> bytes | None:
         block_hash = self._hash_of_page.pop(page, None)
-        if block_hash is None:
-            return False
-        del self._page_of_hash[block_hash]
-        return True
+        if block_hash is not None:
+            del self._page_of_hash[block_hash]
+        return block_hash

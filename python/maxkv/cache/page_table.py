@@ -27,7 +27,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from max.driver import Buffer, Device
@@ -41,6 +41,7 @@ from .spec import CacheSpec, KVCacheInputs
 from .window import PageWindow
 
 if TYPE_CHECKING:
+    from ..events.log import GroupEvents
     from ..tiers.connector import TieredConnector
 
 logger = logging.getLogger("maxkv.tiers")
@@ -64,6 +65,14 @@ class PageRow:
     def held(self) -> list[int]:
         """The pages it holds (those given back left out)."""
         return self.pages[self.given_back :]
+
+
+class SwapState(Protocol):
+    """What :meth:`PageTable.swap_in` reads of a swapped sequence's record."""
+
+    tokens: list[int]
+    salt: str | None
+    hashes: list[bytes]
 
 
 @dataclass
@@ -140,6 +149,8 @@ class PageTable:
         #: Prompt tokens loaded from its tiers instead of computed.
         self.tier_hit_tokens = 0
         self.connector: TieredConnector | None = None
+        #: Where it announces its registered pages and their evictions (KV events).
+        self.events: GroupEvents | None = None
         if tiers is not None and tiers.any_tier:
             from ..tiers.connector import PageBuffers, TieredConnector
 
@@ -185,6 +196,28 @@ class PageTable:
             page_size=self.page_size,
             devices=p.n_devices,
         )
+
+    def announce_to(self, events: GroupEvents) -> None:
+        """Announces from now on its registered pages (and their evictions) to
+        ``events``, and its tiers' blocks in their own media."""
+        self.events = events
+        self.pool.on_evict = events.removed
+        if self.connector is not None:
+            self.connector.store.announce_to(events)
+
+    def _announce(
+        self, index: int, hashes: Sequence[bytes], tokens: Sequence[int], salt: str | None
+    ) -> None:
+        """Announces the page of a sequence's block ``index`` newly registered (its
+        chained ``hashes`` and its ``tokens`` from the sequence's start)."""
+        if self.events is not None:
+            start = index * self.page_size
+            self.events.stored(
+                hashes[index],
+                hashes[index - 1] if index else None,
+                tokens[start : start + self.page_size],
+                salt,
+            )
 
     @property
     def tiers(self) -> TieredBlockStore | None:
@@ -368,30 +401,35 @@ class PageTable:
             pages.append(page)
         return Prefix(start, pages, hashes, m - start - len(pages))
 
-    def adopt(self, seq_id: int, plan: Prefix, salt: str | None) -> int:
-        """``seq_id`` (an empty row) takes the prefix ``plan`` reuses, loading its
-        tiers' blocks; returns the pages it reused (fewer where a tier failed)."""
+    def adopt(self, seq_id: int, plan: Prefix, salt: str | None, tokens: Sequence[int]) -> int:
+        """``seq_id`` (an empty row) takes the prefix ``plan`` reuses of the prompt
+        ``tokens``, loading its tiers' blocks; returns the pages it reused (fewer
+        where a tier failed)."""
         pages = list(plan.pages)
         self.pool.share(pages)
         on_device = plan.start + len(pages)
         if self.connector is not None and pages:
             self.connector.touch(plan.hashes[plan.start : on_device])
         if plan.in_tiers:
-            pages += self.load_from_tiers(plan.hashes[on_device : on_device + plan.in_tiers], salt)
+            pages += self.load_from_tiers(plan, on_device, salt, tokens)
         reused = plan.start + len(pages)
         self.tier_hit_tokens += (reused - on_device) * self.page_size
         self.rows[seq_id] = PageRow([UNUSED_PAGE] * plan.start + pages, plan.start)
         return reused
 
-    def load_from_tiers(self, hashes: list[bytes], salt: str | None) -> list[int]:
-        """Loads the blocks of ``hashes`` (of the tenant ``salt``) into fresh, registered
-        pages, in order, up to the first one no tier can give (or the last free page);
-        a block registered on the device is shared instead; returns the pages."""
+    def load_from_tiers(
+        self, plan: Prefix, first: int, salt: str | None, tokens: Sequence[int]
+    ) -> list[int]:
+        """Loads ``plan``'s tier blocks, from its block ``first`` on (of the prompt
+        ``tokens`` of the tenant ``salt``), into fresh, registered pages, in order,
+        up to the first one no tier can give (or the last free page); a block
+        registered on the device is shared instead; returns the pages."""
         from ..tiers.connector import LEAF, KVLoadFailed, KVLoadRefused
 
         assert self.connector is not None
         loaded: list[int] = []
-        for block in hashes:
+        for index in range(first, first + plan.in_tiers):
+            block = plan.hashes[index]
             registered = self.pool.lookup(block)
             if registered is not None:  # on the device after all (another table's plan)
                 self.pool.share([registered])
@@ -413,17 +451,30 @@ class PageTable:
             if registered != page:
                 self.pool.share([registered])
                 self.pool.free([page])
+            else:
+                self._announce(index, plan.hashes, tokens, salt)
             loaded.append(registered)
         return loaded
 
-    def register(self, seq_id: int, index: int, block: bytes) -> int | None:
-        """Registers ``seq_id``'s page ``index`` under ``block``; where the same
+    def register(
+        self,
+        seq_id: int,
+        index: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        salt: str | None,
+    ) -> int | None:
+        """Registers ``seq_id``'s page ``index`` under ``hashes[index]`` (its chained
+        hashes, its committed ``tokens``, its tenant ``salt``); where the same
         content is cached already, the row takes that page instead.  Returns the
         page when it is newly registered (to offload), else ``None``."""
         pages = self.rows[seq_id].pages
         page = pages[index]
-        registered = self.pool.register(page, block)
+        if self.pool.is_cached(page):
+            return None
+        registered = self.pool.register(page, hashes[index])
         if registered == page:
+            self._announce(index, hashes, tokens, salt)
             return page
         self.pool.share([registered])
         pages[index] = registered
@@ -438,7 +489,8 @@ class PageTable:
             self.connector.offload({LEAF: pages}, {LEAF: hashes}, tenant=salt)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every registered page (and the tiers' index of this process)."""
+        """Forgets every registered page (and the tiers' index of this process); the
+        manager announces it (``AllBlocksCleared``)."""
         self.pool.reset_cache()
         if self.connector is not None:
             self.connector.reset_prefix_cache()
@@ -483,17 +535,17 @@ class PageTable:
         self,
         seq_id: int,
         blocks: np.ndarray,
-        hashes: list[bytes],
         first_page: int,
         cached: list[int | None],
+        state: SwapState,
     ) -> None:
         """``seq_id`` (an empty row) gets its swapped pages back: the ``cached`` hits
-        shared, the others written from ``blocks`` (and registered when full)."""
+        shared, the others written from ``blocks`` (and registered when full: the
+        sequence's ``state`` has their hashes and tokens)."""
         from ..tiers.connector import PageBuffers
 
         self.pool.share([p for p in cached if p is not None])
         fresh = iter(self.pool.allocate(cached.count(None)))
-        hashes = hashes[first_page:]
         pages = [UNUSED_PAGE] * first_page
         written: list[tuple[int, int]] = []  # (page, block index)
         for i, hit in enumerate(cached):
@@ -502,8 +554,10 @@ class PageTable:
                 continue
             page = next(fresh)
             written.append((page, i))
-            if i < len(hashes):
-                self.pool.register(page, hashes[i])
+            index = first_page + i
+            if index < len(state.hashes):
+                self.pool.register(page, state.hashes[index])
+                self._announce(index, state.hashes, state.tokens, state.salt)
             pages.append(page)
         if written:  # one batch of copies
             PageBuffers(self.buffers).write_pages(

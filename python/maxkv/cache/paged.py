@@ -90,6 +90,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from ..errors import ArgumentTypeError, CacheFullError
+from ..events.log import EventSink, KVEventLog
 from ..tiers.blocks import BlockLayout
 from ..tiers.remote import redact_url
 from ..tiers.store import TierConfig, TieredBlockStore
@@ -226,7 +227,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             prefix caching.
     """
 
-    capabilities = CacheCapabilities(pages=True, swap=True, sinks=True, blending=True, tiers=True)
+    capabilities = CacheCapabilities(
+        pages=True, swap=True, sinks=True, blending=True, tiers=True, events=True
+    )
 
     def __init__(
         self,
@@ -649,7 +652,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_claim_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
         _, plans = self._prefix_plan(tokens, salt)
         (seq_id,) = self._storage_claim(1)
-        reused = {t.adopt(seq_id, plan, salt) for t, plan in zip(self.groups, plans, strict=True)}
+        reused = {
+            t.adopt(seq_id, plan, salt, tokens) for t, plan in zip(self.groups, plans, strict=True)
+        }
         if len(reused) > 1:
             # A tier could not give a table a block (gone, refused, no free page): every
             # table starts again from what the devices hold now, the loaded blocks
@@ -657,7 +662,9 @@ class PagedKVCacheManager(KVCacheManagerBase):
             for table in self.groups:
                 table.drop(seq_id)
             _, plans = self._prefix_plan(tokens, salt, tiers=False)
-            reused = {t.adopt(seq_id, p, salt) for t, p in zip(self.groups, plans, strict=True)}
+            reused = {
+                t.adopt(seq_id, p, salt, tokens) for t, p in zip(self.groups, plans, strict=True)
+            }
         (pages,) = reused
         cached = pages * self.page_size
         state = self._seqs[seq_id]
@@ -678,6 +685,34 @@ class PagedKVCacheManager(KVCacheManagerBase):
     def _storage_reset_prefix_cache(self) -> None:
         for table in self.groups:
             table.reset_prefix_cache()
+        if self._lock.events is not None:
+            self._lock.events.cleared()
+
+    def attach_kv_events(self, sink: EventSink) -> KVEventLog:
+        """From now on, announces the blocks of its prefix cache, on the device and
+        in its tiers, to ``sink`` as KV events in vLLM's format (one batch per
+        protocol call that made any; :mod:`maxkv.events.log` says which).
+
+        Args:
+            sink: Takes each batch's events: e.g.
+                :meth:`maxkv.events.ZmqEventPublisher.publish`.
+
+        Returns:
+            The :class:`~maxkv.events.log.KVEventLog` (what it announced, per group).
+
+        Raises:
+            ValueError: If prefix caching is off (no block is ever announced), or
+                events are attached already.
+        """
+        with self._lock:
+            self._require_prefix_caching("attach_kv_events")
+            if self._lock.events is not None:
+                raise ValueError("KV events are attached to this cache already")
+            log = KVEventLog(sink)
+            for index, table in enumerate(self.groups):
+                table.announce_to(log.group(index, self.page_size, table.window.window))
+            self._lock.events = log
+            return log
 
     def _on_commit(self, tokens: Mapping[int, list[int]]) -> None:
         """Registers the pages the committed tokens filled, in every table (prefix
@@ -701,13 +736,13 @@ class PagedKVCacheManager(KVCacheManagerBase):
             start = len(hashes) * self.page_size
             for block in block_hashes(exact, self.page_size, parent, start):
                 index = len(hashes)
+                hashes.append(block)
                 for table, new in zip(self.groups, new_blocks, strict=True):
-                    page = table.register(seq_id, index, block)
+                    page = table.register(seq_id, index, hashes, exact, state.salt)
                     if page is not None:
                         new_pages, new_hashes = new.setdefault(state.salt, ([], []))
                         new_pages.append(page)
                         new_hashes.append(block)
-                hashes.append(block)
         for table, new in zip(self.groups, new_blocks, strict=True):
             for salt, (new_pages, new_hashes) in new.items():
                 table.offload(new_pages, new_hashes, salt)
@@ -842,7 +877,7 @@ class PagedKVCacheManager(KVCacheManagerBase):
                     )
             (seq,) = self._storage_claim(1)
             for table, part, cached in zip(self.groups, parts, hits, strict=True):
-                table.swap_in(seq, part.blocks, swapped.state.hashes, part.first_page, cached)
+                table.swap_in(seq, part.blocks, part.first_page, cached, swapped.state)
             self._seqs[seq] = swapped.state.copy()
             self._lengths[seq] = swapped.length
             del self._swapped[swapped.number]
@@ -876,6 +911,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
         lengths = [self._lengths[s] for s in seq_ids]
         plans = [t.reserve_plan(seq_ids, lengths, totals) for t in self.groups]
         for index, (table, (_, needed)) in enumerate(zip(self.groups, plans, strict=True)):
+            if needed <= table.free_pages:
+                continue
             window = table.window.window
             what = (
                 ""
@@ -884,8 +921,8 @@ class PagedKVCacheManager(KVCacheManagerBase):
                 f"{'full attention' if window is None else f'window {window}'})"
             )
             error = table.no_room(needed, what)
-            if error is not None:
-                raise error
+            assert error is not None
+            raise error
         for table, (plan, _) in zip(self.groups, plans, strict=True):
             table.reserve_apply(plan, lengths)
 

@@ -78,6 +78,7 @@ from .spec import (
 )
 
 if TYPE_CHECKING:
+    from ..events.log import EventSink, KVEventLog
     from ..graph.types import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
     from .paged import SwappedSequence
 
@@ -119,6 +120,29 @@ class CacheDevice(Protocol):
         """Prepares the device work now (compiles graphs) rather than on first use."""
 
 
+class _CallLock:
+    """A manager's re-entrant lock.  As its outermost holder lets go, the KV events
+    the call made (:attr:`events`, when attached) go out as one batch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.events: KVEventLog | None = None
+
+    def __enter__(self) -> _CallLock:
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        try:
+            if self._depth == 0 and self.events is not None:
+                self.events.flush()
+        finally:
+            self._lock.release()
+
+
 @dataclass(frozen=True)
 class CacheCapabilities:
     """What a manager offers beyond the step protocol.
@@ -145,6 +169,8 @@ class CacheCapabilities:
     blending: bool = False
     #: KV tiers below the device (host memory, disk, Redis) behind prefix caching.
     tiers: bool = False
+    #: KV events for KV-aware routers (:meth:`~KVCacheManagerBase.attach_kv_events`).
+    events: bool = False
 
     def names(self) -> tuple[str, ...]:
         """The capabilities it has, by name (for messages and ``describe``)."""
@@ -199,7 +225,7 @@ class KVCacheManagerBase(ABC):
             if cache_device is not None
             else _max_cache_device(_single(spec), devices, session)
         )
-        self._lock = threading.RLock()
+        self._lock = _CallLock()
         self._lengths: dict[int, int] = {}
         #: Lookups and hit tokens of prefix caching (evictions: the storage's).
         self._prefix_stats = PrefixCacheStats()
@@ -791,6 +817,11 @@ class KVCacheManagerBase(ABC):
         """Free pages a claim of ``prompt`` and its first step would take now
         (capability ``pages``)."""
         self._unsupported("pages", "pages_to_claim")
+
+    def attach_kv_events(self, sink: EventSink) -> KVEventLog:
+        """From now on, announces the blocks of its prefix cache to ``sink`` as KV
+        events (capability ``events``)."""
+        self._unsupported("events", "attach_kv_events")
 
     def swap_out(self, seq_id: int) -> SwappedSequence:
         """Moves ``seq_id`` to host memory, between rounds (capability ``swap``)."""

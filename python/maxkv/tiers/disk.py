@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["DiskTier"]
@@ -65,6 +66,8 @@ class DiskTier:
         self._refuse_until = 0.0
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        #: Told the keys of the blocks it deletes (evicted, dropped, cleared): KV events.
+        self.on_evict: Callable[[list[bytes]], None] | None = None
         self._scan()
 
     def _scan(self) -> None:
@@ -146,8 +149,10 @@ class DiskTier:
                 self.refused += 1
                 return False
             # Room for the new file counts from before it is written.
-            self._evict_to(self.budget_bytes - size)
+            evicted = self._evict_to(self.budget_bytes - size)
             self.used_bytes += size
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         tmp = self.directory / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -180,6 +185,8 @@ class DiskTier:
                 self.used_bytes -= size
         if size is not None:
             self._path(key).unlink(missing_ok=True)
+            if self.on_evict is not None:
+                self.on_evict([key])
 
     def clear(self) -> None:
         with self._lock:
@@ -187,10 +194,14 @@ class DiskTier:
         for key in keys:
             self.drop(key)
 
-    def _evict_to(self, limit: int) -> None:
-        """Deletes least recently used files until ``used_bytes <= limit`` (lock held)."""
+    def _evict_to(self, limit: int) -> list[bytes]:
+        """Deletes least recently used files until ``used_bytes <= limit`` (lock held);
+        returns their keys."""
+        evicted = []
         while self.used_bytes > limit and self._index:
             key, size = self._index.popitem(last=False)
             self.used_bytes -= size
             self.evictions += 1
             self._path(key).unlink(missing_ok=True)
+            evicted.append(key)
+        return evicted

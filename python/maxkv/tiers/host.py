@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ class HostTier:
         self.evictions = 0
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
         self._lock = threading.Lock()
+        #: Told the keys of the blocks it lets go (evicted, dropped, cleared): KV events.
+        self.on_evict: Callable[[list[bytes]], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -35,6 +38,11 @@ class HostTier:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        """The keys it holds, least recently used first."""
+        with self._lock:
+            return list(self._entries)
 
     def get(self, key: bytes) -> HostEntry | None:
         """The block, now the most recently used; ``None`` if absent."""
@@ -57,6 +65,7 @@ class HostTier:
         Evicts least recently used blocks until it fits; returns whether it is kept.
         """
         size = int(array.nbytes)
+        evicted = []
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -64,20 +73,30 @@ class HostTier:
             if size > self.budget_bytes:
                 return False
             while self.used_bytes + size > self.budget_bytes:
-                _, (old, _) = self._entries.popitem(last=False)
+                old_key, (old, _) = self._entries.popitem(last=False)
                 self.used_bytes -= int(old.nbytes)
                 self.evictions += 1
+                evicted.append(old_key)
             self._entries[key] = (array, dict(extra or {}))
             self.used_bytes += size
-            return True
+        self._evicted(evicted)
+        return True
 
     def drop(self, key: bytes) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self.used_bytes -= int(entry[0].nbytes)
+        if entry is not None:
+            self._evicted([key])
 
     def clear(self) -> None:
         with self._lock:
+            keys = list(self._entries)
             self._entries.clear()
             self.used_bytes = 0
+        self._evicted(keys)
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        if keys and self.on_evict is not None:
+            self.on_evict(keys)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from ..events.log import DISK, HOST, REDIS, GroupEvents
 from .auth import Keyring, secret_bytes
 from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
 from .disk import DiskTier
@@ -323,6 +324,19 @@ class TieredBlockStore:
         self._queued_bytes = 0
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._events: GroupEvents | None = None
+
+    def announce_to(self, events: GroupEvents) -> None:
+        """Announces from now on the blocks its tiers take and let go (those whose
+        tokens ``events`` knows: announced on the device first) as KV events."""
+        self._events = events
+        self.host.on_evict = events.evicted_from(HOST)
+        if self.disk is not None:
+            self.disk.on_evict = events.evicted_from(DISK)
+
+    def _stored(self, keys: list[bytes], place: str) -> None:
+        if self._events is not None and keys:
+            self._events.stored_again(keys, place)
 
     @property
     def security(self) -> str:
@@ -423,13 +437,16 @@ class TieredBlockStore:
                     invalid if invalid is not None else f"corrupt: {type(error).__name__}",
                 )
                 tier.drop(key)
+                if name == "redis" and self._events is not None:
+                    self._events.removed([key], REDIS)
                 continue
             with self._lock:
                 if name == "disk":
                     self.stats.disk_hits += 1
                 else:
                     self.stats.redis_hits += 1
-            self.host.put(key, array, extra)
+            if self.host.put(key, array, extra):
+                self._stored([key], HOST)
             return array, extra
         return None
 
@@ -448,7 +465,8 @@ class TieredBlockStore:
         self.layout.check_shape(tuple(array.shape))
         with self._lock:
             self.stats.puts += 1
-        self.host.put(key, array, extra)
+        if self.host.put(key, array, extra):
+            self._stored([key], HOST)
         if not self.remote_tiers or self._closed:
             return
         with self._lock:
@@ -553,9 +571,11 @@ class TieredBlockStore:
                     if self.disk.put(key, data):
                         with self._lock:
                             self.stats.disk_writes += 1
+                        self._stored([key], DISK)
             if self.redis is not None and self.redis.put_many(encoded):
                 with self._lock:
                     self.stats.redis_writes += len(encoded)
+                self._stored([key for key, _ in encoded], REDIS)
         finally:
             with self._lock:
                 self._queued_bytes -= sum(w[1].nbytes for w in writes)
