@@ -131,6 +131,20 @@ PARSE_OPENAI_REQUEST = Seam(
     "max.serve.router.openai_routes", "_parse_openai_request_body", "wrapped",
     "api.refuse_unsupported_requests answers requests maxkv cannot serve with a 400",
 )  # fmt: skip
+#: The OpenAI routes: maxkv adds the render routes KV-aware routers ask for tokens.
+OPENAI_ROUTER = Seam(
+    "max.serve.router.openai_routes", "router", "extended",
+    "render.add_render_routes answers /v1/completions/render and /v1/chat/completions/render",
+)  # fmt: skip
+#: The routes the render routes run (to the point where the prompt is tokenized).
+COMPLETION_ROUTE = Seam(
+    "max.serve.router.openai_routes", "openai_create_completion", "wrapped",
+    "render.add_render_routes runs it up to the prompt's tokens",
+)  # fmt: skip
+CHAT_ROUTE = Seam(
+    "max.serve.router.openai_routes", "openai_create_chat_completion", "wrapped",
+    "render.add_render_routes runs it up to the prompt's tokens",
+)  # fmt: skip
 #: ``--kv-cache-format`` values MAX's config accepts: maxkv adds its own encodings.
 KV_CACHE_FORMATS = Seam(
     "max.pipelines.kv_cache.config", "_KV_CACHE_FORMAT_TO_DTYPE", "extended",
@@ -161,6 +175,9 @@ SEAMS: tuple[Seam, ...] = (
     PREPARE_BATCH,
     LAUNCH_FORWARD_PASS,
     PARSE_OPENAI_REQUEST,
+    OPENAI_ROUTER,
+    COMPLETION_ROUTE,
+    CHAT_ROUTE,
     KV_CACHE_FORMATS,
     PREFIX_CACHE_HITS,
     OPAQUE_TYPE,

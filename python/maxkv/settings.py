@@ -168,6 +168,20 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def _endpoints(text: str) -> tuple[str, ...]:
+    """Comma-separated ZMQ endpoints (``tcp://host:port``, ``ipc://path``)."""
+    endpoints = _names(text)
+    for endpoint in endpoints:
+        scheme, _, where = endpoint.partition("://")
+        if scheme not in ("tcp", "ipc", "inproc") or not where:
+            raise ValueError(text)
+        if scheme == "tcp" and not where.rpartition(":")[2].isdigit():
+            raise ValueError(text)
+    if not endpoints:
+        raise ValueError(text)
+    return endpoints
+
+
 # ------------------------------------------------------------------ the settings
 
 # process: where maxkv keeps files, what it logs, which kernels it picks
@@ -282,6 +296,24 @@ TIER_ENCRYPT: Setting[bool] = Setting(
     "tiers",
 )  # fmt: skip
 
+# events: KV events for KV-aware routers
+KV_EVENTS_ENDPOINT: Setting[tuple[str, ...]] = Setting(
+    "MAXKV_KV_EVENTS_ENDPOINT", (), _endpoints, "ZMQ endpoints, as tcp://*:5557",
+    "publishes the cache's blocks as vLLM KV events on these endpoints (bound; "
+    "comma-separated; needs prefix caching)",
+    "events",
+)  # fmt: skip
+KV_EVENTS_REPLAY_ENDPOINT: Setting[tuple[str, ...]] = Setting(
+    "MAXKV_KV_EVENTS_REPLAY_ENDPOINT", (), _endpoints, "ZMQ endpoints, as tcp://*:5558",
+    "where a subscriber that missed batches asks for them again (unset: no replay)",
+    "events",
+)  # fmt: skip
+KV_EVENTS_TOPIC: Setting[str] = Setting(
+    "MAXKV_KV_EVENTS_TOPIC", "", _text, "a topic",
+    "the first frame of every event message (vLLM's topic; default empty)",
+    "events",
+)  # fmt: skip
+
 # blend: CacheBlend in MAX's pipelines
 BLEND: Setting[bool] = Setting(
     "MAXKV_BLEND", False, _flag, "1 or 0",
@@ -377,6 +409,7 @@ SETTINGS: dict[str, Setting[object]] = {
         CACHE, PAGE_SIZE, SLIDING_WINDOW, ATTENTION_SINKS, KEEP_WINDOW_PAGES,
         HOST_TIER_GB, DISK_TIER_DIR, DISK_TIER_GB, REDIS_URL, REDIS_NAMESPACE, SWAP_GB,
         TIER_SECRET, TIER_SECRET_FILE, TIER_OLD_SECRETS, TIER_INSECURE, TIER_ENCRYPT,
+        KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC,
         BLEND, BLEND_SEPARATOR, BLEND_RECOMPUTE_RATIO, BLEND_CHECK_LAYERS, BLEND_MIN_TOKENS,
         BLEND_MAX_PER_BATCH, BLEND_CHUNK_CONTEXT,
         SPECULATIVE, NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX,

@@ -22,11 +22,12 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import zmq
 
+from .. import settings
 from .wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
 __all__ = ["EventPublisherStats", "ZmqEventPublisher"]
@@ -87,6 +88,8 @@ class ZmqEventPublisher:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.topic = topic.encode("utf-8")
+        self.endpoints = tuple(endpoints)
+        self.replay_endpoints = tuple(replay_endpoints)
         self.stats = EventPublisherStats()
         self._rank = data_parallel_rank
         self._queue: queue.Queue[list[BlockStored | BlockRemoved | AllBlocksCleared] | None] = (
@@ -111,6 +114,34 @@ class ZmqEventPublisher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="maxkv-kv-events", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ZmqEventPublisher | None:
+        """The publisher ``MAXKV_KV_EVENTS_ENDPOINT`` asks for (with
+        ``MAXKV_KV_EVENTS_REPLAY_ENDPOINT`` and ``MAXKV_KV_EVENTS_TOPIC``), bound;
+        ``None`` when it is unset.
+
+        Raises:
+            SettingError: If a variable holds a value it cannot take.
+            zmq.ZMQError: If an endpoint cannot be bound (in use).
+        """
+        endpoints = settings.KV_EVENTS_ENDPOINT.read(environ)
+        replay = settings.KV_EVENTS_REPLAY_ENDPOINT.read(environ)
+        topic = settings.KV_EVENTS_TOPIC.read(environ)
+        if not endpoints:
+            if replay:
+                raise settings.SettingError(
+                    f"{settings.KV_EVENTS_REPLAY_ENDPOINT.name} needs "
+                    f"{settings.KV_EVENTS_ENDPOINT.name}"
+                )
+            return None
+        return cls(endpoints, replay, topic=topic)
+
+    def describe(self) -> str:
+        """Where it publishes, in words (for logs)."""
+        replay = f", replay on {', '.join(self.replay_endpoints)}" if self.replay_endpoints else ""
+        topic = f", topic {self.topic.decode()!r}" if self.topic else ""
+        return f"KV events on {', '.join(self.endpoints)}{replay}{topic}"
 
     def publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> bool:
         """Queues one batch (nothing to do for none); ``False`` if it was dropped."""

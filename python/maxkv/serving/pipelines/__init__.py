@@ -36,8 +36,10 @@ from .model import (  # noqa: E402
     MaxkvPipelineModel,
     cache_kind,
 )
+from .render import add_render_routes  # noqa: E402
 
 refuse_unsupported_requests()
+add_render_routes()
 
 #: The value of ``--custom-architectures`` for this installation of maxkv:
 #: ``<folder holding the maxkv package>:maxkv.pipelines`` (the entry point that

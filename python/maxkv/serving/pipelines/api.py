@@ -14,6 +14,15 @@ several through):
   one sequence per request, so it refuses instead of silently answering
   once); a completion with no prompt (``"prompt": []``), or streamed with
   several prompts (MAX answers 500): :func:`check_request`;
+- the fields of vLLM's and SGLang's servers that routers (vllm-router, for
+  one) add to every request they forward are not MAX's, whose schema refuses
+  any field it does not know: :func:`accept_router_fields` takes them out
+  before MAX validates the body.  Where maxkv does what the field asks
+  (``skip_special_tokens: true``, ``continue_final_message``), or the field
+  changes nothing here (the reasoning options: maxkv's models have no
+  reasoning parser), the request is served; a value that would change the
+  answer in a way maxkv cannot (``skip_special_tokens: false``,
+  ``no_stop_trim: true``, ...) is a 400 that names it;
 - as a request becomes a context (:class:`MaxkvTextTokenizer`, the tokenizer
   of maxkv's architecture): prompts with no token, or with token ids that
   are not ids of the model's vocabulary (negative, or past its embedding
@@ -30,6 +39,7 @@ several through):
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,9 +57,106 @@ from .blending import (
     split_prompt,
     with_blend_starts,
 )
+from .render import Rendered, render_var
 
 #: Request fields whose value must be at most 1.
 SINGLE_CHOICE_FIELDS = ("n", "best_of")
+
+
+#: vLLM's and SGLang's request fields that MAX's schema lacks, with the values maxkv
+#: serves as asked (``None``, the field left out, always is): what its server does
+#: anyway.  Another value is a 400 that says why.
+ROUTER_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "skip_special_tokens": ((True,), "the text never holds special tokens"),
+    "no_stop_trim": ((False,), "a stop string is trimmed from the text"),
+    "include_stop_str_in_output": ((False,), "a stop string is trimmed from the text"),
+    "return_hidden_states": ((False,), "hidden states are not returned"),
+    "use_beam_search": ((False,), "there is no beam search"),
+    "echo": ((False,), "a chat answer does not repeat the messages"),
+    "truncate_prompt_tokens": ((), "prompts are not truncated: a long one is refused"),
+    "prompt_logprobs": ((), "prompt log probabilities are not computed"),
+    "guided_json": ((), "guided decoding: use `response_format`"),
+    "guided_regex": ((), "guided decoding: use `response_format`"),
+    "guided_choice": ((), "guided decoding: use `response_format`"),
+    "guided_grammar": ((), "guided decoding: use `response_format`"),
+    "structured_outputs": ((), "guided decoding: use `response_format`"),
+    "chat_template": ((), "the server's chat template is the one it was started with"),
+    "lora_path": ((), "no LoRA adapter"),
+}
+#: Fields that change nothing maxkv serves, whatever their value: the reasoning
+#: parser's (maxkv's model families have none), scheduling hints, ids.
+IGNORED_FIELDS = frozenset(
+    {
+        "separate_reasoning",
+        "stream_reasoning",
+        "include_reasoning",
+        "spaces_between_special_tokens",
+        "priority",
+        "request_id",
+        "rid",
+        "kv_transfer_params",
+        "vllm_xargs",
+    }
+)
+#: Chat fields maxkv honours through the chat template's options.
+TEMPLATE_FIELDS = ("continue_final_message", "add_generation_prompt")
+
+
+def accept_router_fields(body: dict[str, Any], known: Any) -> dict[str, Any]:
+    """``body`` without the vLLM/SGLang fields MAX's schema ``known`` (its field
+    names) lacks: honoured (the chat template's ``continue_final_message`` and
+    ``add_generation_prompt``), served as asked (:data:`ROUTER_FIELDS`) or
+    ignored (:data:`IGNORED_FIELDS`); a field no one knows is left for MAX to
+    refuse.
+
+    Raises:
+        InputError: For a value maxkv cannot serve as asked.
+    """
+    extra = [k for k in body if k not in known]
+    if not extra:
+        return body
+    body = dict(body)
+    template: dict[str, Any] = {}
+    for name in extra:
+        if name in IGNORED_FIELDS:
+            del body[name]
+        elif name in ROUTER_FIELDS:
+            value = body.pop(name)
+            served, why = ROUTER_FIELDS[name]
+            if value is not None and value not in served:
+                raise InputError(f"`{name}`={json.dumps(value)} is not served by maxkv: {why}")
+        elif name in TEMPLATE_FIELDS and "messages" in body:
+            value = body.pop(name)
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise InputError(f"`{name}` must be true or false, got {json.dumps(value)}")
+                template[name] = value
+    if template:
+        if template.get("continue_final_message") and template.get("add_generation_prompt"):
+            raise InputError(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true"
+            )
+        if template.get("continue_final_message"):
+            template.setdefault("add_generation_prompt", False)
+        given = body.get("chat_template_kwargs")
+        if given is not None and not isinstance(given, dict):
+            raise InputError("`chat_template_kwargs` must be an object")
+        body["chat_template_kwargs"] = {**template, **(given or {})}
+    return body
+
+
+class _RouterTolerant:
+    """A MAX request model whose validation first takes out the router fields
+    (:func:`accept_router_fields`); what the body parser reads of a model."""
+
+    def __init__(self, model_cls: Any) -> None:
+        self.model_cls = model_cls
+        self.model_fields = model_cls.model_fields
+
+    def model_validate(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(obj, dict):
+            obj = accept_router_fields(obj, self.model_fields)
+        return self.model_cls.model_validate(obj, *args, **kwargs)
 
 
 #: What a request's integers must fit: the worker queue carries int64.
@@ -199,6 +306,8 @@ class MaxkvTextTokenizer(TextTokenizer):
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit:
             # Whatever made them (a chat encoder, the tokenizer's own added tokens).
             check_token_ids(ids.tolist(), self.vocab_limit)
+        if render_var.get():  # a render route: the tokens are the answer
+            raise Rendered([int(t) for t in ids])
         if starts is not None:
             return with_blend_starts(context, starts)
         return context
@@ -211,15 +320,15 @@ def refuse_unsupported_requests() -> None:
         return
 
     @functools.wraps(parse)
-    async def parse_and_check(*args: Any, **kwargs: Any) -> Any:
+    async def parse_and_check(request: Any, request_id: Any, model_cls: Any) -> Any:
         try:
-            request = await parse(*args, **kwargs)
+            parsed = await parse(request, request_id, _RouterTolerant(model_cls))
         except RecursionError:  # json.loads of a deeply nested body
             raise InputError("the request body is nested too deeply to be a request") from None
         except ClientDisconnect:  # an upload cut short: nobody reads the answer
             raise InputError("the client left before sending the whole body") from None
-        check_request(request)
-        return request
+        check_request(parsed)
+        return parsed
 
     parse_and_check._maxkv_checked = True  # type: ignore[attr-defined]
     seams.PARSE_OPENAI_REQUEST.replace(parse_and_check)

@@ -52,6 +52,7 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
                 load_kwargs["params"],
                 sinks=model.sinks,
                 blender=model.blender,
+                events=model.kv_events,
             )
 
         with seams.LOAD_KV_MANAGER.replaced(load_maxkv_manager):

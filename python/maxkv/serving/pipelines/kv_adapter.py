@@ -74,6 +74,7 @@ from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
 from ...errors import CacheFullError
+from ...events.publisher import ZmqEventPublisher
 from .blending import ServeBlender
 
 
@@ -90,6 +91,9 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             (:meth:`PagedKVCacheManager.enable_attention_sinks`); its cache
             positions then lag its tokens, which maxkv's graph reads from
             the cache.
+        blender: CacheBlend of requests with chunks, or ``None``.
+        events: The KV event publisher the manager announces its blocks to (closed
+            with the adapter), or ``None``.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         *,
         sinks: tuple[int, int] | None = None,
         blender: ServeBlender | None = None,
+        events: ZmqEventPublisher | None = None,
     ) -> None:
         if sinks is not None and not manager.capabilities.sinks:
             raise ValueError(
@@ -111,6 +116,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
             )
         #: CacheBlend of requests with chunks (``MAXKV_BLEND``), or ``None``.
         self.blender = blender
+        self.events = events
         self.manager = manager
         self.params = params
         #: Attention sinks of every request: ``(window, sink tokens)``, or ``None``.
@@ -434,6 +440,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         self.manager.close()
         if self.blender is not None:
             self.blender.close()
+        if self.events is not None:
+            self.events.close()
 
     def get_device_buffer(self, replica_idx: int) -> Any:
         raise NotImplementedError("maxkv: the cache is not a MAX KV buffer")

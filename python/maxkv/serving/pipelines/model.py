@@ -55,6 +55,7 @@ from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
+from ...events.publisher import ZmqEventPublisher
 from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
@@ -247,6 +248,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
             key_rotation=config.key_rotation() if self.sinks else None,
         )
+        #: The KV event publisher (``MAXKV_KV_EVENTS_ENDPOINT``), or ``None``.
+        self.kv_events = self._kv_events()
         source = model_file(path)
         quantized = read_gguf_quantized(source) if source.is_file() else None
         #: Prompt-lookup speculative decoding (``MAXKV_SPECULATIVE``), or ``None``.
@@ -283,6 +286,28 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 self.sinks[1],
                 self.sinks[0],
             )
+
+    def _kv_events(self) -> ZmqEventPublisher | None:
+        """Publishes the cache's blocks when ``MAXKV_KV_EVENTS_ENDPOINT`` is set.
+
+        Raises:
+            ValueError: If prefix caching is off (no block would ever be announced).
+        """
+        if not settings.KV_EVENTS_ENDPOINT.is_set():
+            ZmqEventPublisher.from_env()  # refuses a replay endpoint alone
+            return None
+        manager = self.maxkv_manager
+        if not manager.capabilities.events or not manager.prefix_caching:
+            raise ValueError(
+                f"{settings.KV_EVENTS_ENDPOINT.name} announces the blocks of the prefix cache: "
+                "start max serve with --enable-prefix-caching"
+                + ("" if manager.capabilities.events else f" and {CACHE_ENV}=paged")
+            )
+        publisher = ZmqEventPublisher.from_env()
+        assert publisher is not None
+        manager.attach_kv_events(publisher.publish)
+        logger.info("maxkv: %s", publisher.describe())
+        return publisher
 
     def _blender(self, config: Any, weights: Any, session: Any, path: Path) -> ServeBlender | None:
         """The worker's :class:`ServeBlender` when ``MAXKV_BLEND`` is on.
