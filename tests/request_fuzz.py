@@ -128,6 +128,14 @@ def common_fields(vocab: int) -> dict[str, Field]:
         ),
         "thinking_temperature": (st.floats(0, 2), floats),
         "reasoning_split": (st.booleans(), st.just(None)),
+        # vLLM's and SGLang's fields, as routers forward them (their defaults), or not.
+        "skip_special_tokens": (st.just(True), st.one_of(st.just(False), wild_scalar)),
+        "no_stop_trim": (st.just(False), st.one_of(st.just(True), wild_scalar)),
+        "return_hidden_states": (st.just(False), wild_scalar),
+        "separate_reasoning": (st.booleans(), wild_scalar),
+        "include_reasoning": (st.booleans(), wild_scalar),
+        "priority": (st.integers(0, 10), wild_scalar),
+        "prompt_logprobs": (st.none(), st.integers(0, 5)),
     }
 
 
@@ -274,6 +282,9 @@ def chat_bodies(model: str, vocab: int) -> st.SearchStrategy[dict[str, Any]]:
             st.lists(token_ids(vocab), min_size=1, max_size=20),
             some_bad(token_ids(vocab), bad_token_ids(vocab)),
         ),
+        "continue_final_message": (st.booleans(), wild_scalar),
+        "add_generation_prompt": (st.booleans(), wild_scalar),
+        "stream_reasoning": (st.booleans(), wild_scalar),
     }
     messages: Field = (
         st.lists(good_message, min_size=1, max_size=4),
@@ -298,7 +309,14 @@ class Raw:
 
 def raw_requests() -> st.SearchStrategy[Raw]:
     """Bytes that are not a well-formed request."""
-    path = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+    path = st.sampled_from(
+        [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/completions/render",
+            "/v1/chat/completions/render",
+        ]
+    )
     junk = st.one_of(
         st.binary(max_size=200),
         st.sampled_from(

@@ -101,6 +101,9 @@ def test_no_request_takes_the_server_down(fuzz_server: tuple[Server, int]) -> No
         completion_bodies(model, vocab).map(lambda b: ("/v1/completions", b)),
         chat_bodies(model, vocab).map(lambda b: ("/v1/chat/completions", b)),
         raw_requests(),
+        # The render routes (what KV-aware routers ask first): the same guard.
+        completion_bodies(model, vocab).map(lambda b: ("/v1/completions/render", b)),
+        chat_bodies(model, vocab).map(lambda b: ("/v1/chat/completions/render", b)),
     )
 
     @settings(
@@ -156,6 +159,8 @@ def test_no_request_takes_the_server_down(fuzz_server: tuple[Server, int]) -> No
         ({"prompt": "hi", "stop_token_ids": [500]}, "`stop_token_ids`"),
         ({"prompt": "hi", "seed": 2**70}, "64-bit"),
         ({"prompt": "hi", "n": 2}, "one completion per request"),
+        ({"prompt": "hi", "skip_special_tokens": False}, "`skip_special_tokens`=false"),
+        ({"prompt": "hi", "no_stop_trim": True}, "`no_stop_trim`=true"),
     ],
 )
 def test_requests_the_worker_cannot_serve_get_a_clear_400(

@@ -133,6 +133,10 @@ def _gib(text: str) -> float:
     return value
 
 
+def _optional_gib(text: str) -> float | None:
+    return _gib(text)
+
+
 def _text(text: str) -> str:
     return text
 
@@ -236,6 +240,13 @@ ATTENTION_SINKS: Setting[int] = Setting(
 KEEP_WINDOW_PAGES: Setting[bool] = Setting(
     "MAXKV_KEEP_WINDOW_PAGES", False, _binary, "0 or 1",
     "1: a model with sliding-window layers keeps every page until the request ends",
+    "cache",
+)  # fmt: skip
+
+KV_CACHE_GB: Setting[float | None] = Setting(
+    "MAXKV_KV_CACHE_GB", None, _optional_gib, "a number of GiB >= 0",
+    "most memory the KV cache takes (a replica's share of a machine); unset: what MAX's "
+    "memory plan leaves",
     "cache",
 )  # fmt: skip
 
@@ -406,7 +417,7 @@ SETTINGS: dict[str, Setting[object]] = {
     s.name: s  # type: ignore[misc]
     for s in (
         CACHE_DIR, EVENT_LOG, GREEDY_HEAD, MODEL_ID,
-        CACHE, PAGE_SIZE, SLIDING_WINDOW, ATTENTION_SINKS, KEEP_WINDOW_PAGES,
+        CACHE, PAGE_SIZE, SLIDING_WINDOW, ATTENTION_SINKS, KEEP_WINDOW_PAGES, KV_CACHE_GB,
         HOST_TIER_GB, DISK_TIER_DIR, DISK_TIER_GB, REDIS_URL, REDIS_NAMESPACE, SWAP_GB,
         TIER_SECRET, TIER_SECRET_FILE, TIER_OLD_SECRETS, TIER_INSECURE, TIER_ENCRYPT,
         KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC,

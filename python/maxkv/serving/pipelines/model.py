@@ -56,6 +56,7 @@ from ...cache.protocol import KVCacheManagerBase
 from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
 from ...events.publisher import ZmqEventPublisher
+from ...events.wire import AllBlocksCleared
 from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
@@ -242,7 +243,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             max_seq_len=self.max_seq_len,
             page_size=tokens_per_page(self.kv_cache_config.kv_cache_page_size),
             prefix_caching=self.kv_cache_config.enable_prefix_caching,
-            available=self.memory_plan.available_cache_memory,
+            available=cache_budget(self.memory_plan.available_cache_memory),
             tiers=TierConfig.from_env(model_identity(path)),
             layer_windows=() if keep_window_pages() else config.layer_windows,
             step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
@@ -305,6 +306,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             )
         publisher = ZmqEventPublisher.from_env()
         assert publisher is not None
+        # A restarted replica holds nothing: subscribers forget what they knew of it.
+        publisher.publish([AllBlocksCleared()])
         manager.attach_kv_events(publisher.publish)
         logger.info("maxkv: %s", publisher.describe())
         return publisher
@@ -520,6 +523,16 @@ def keep_window_pages() -> bool:
         ValueError: If it is set to something other than ``0`` or ``1``.
     """
     return settings.KEEP_WINDOW_PAGES.read()
+
+
+def cache_budget(available: int | None) -> int | None:
+    """The KV cache's bytes: MAX's memory plan's ``available`` (``None``: enough for
+    every sequence), at most ``MAXKV_KV_CACHE_GB``."""
+    cap = settings.KV_CACHE_GB.read()
+    if cap is None:
+        return available
+    limit = int(cap * 2**30)
+    return limit if available is None else min(available, limit)
 
 
 def build_manager(

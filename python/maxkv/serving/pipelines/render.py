@@ -93,7 +93,7 @@ async def render_completion(request: Request) -> Any:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # MAX's route answers it (a 400)
         body = None
     prompts = _prompts(body)
     if len(prompts) == 1 or not isinstance(body, dict):
