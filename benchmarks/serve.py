@@ -215,6 +215,9 @@ class Request:
     text: str = ""
     first_piece: str = ""
     output_tokens: int = 0
+    #: The server's usage: prompt tokens, and those it found in its prefix cache.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     sent: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     error: str | None = None
@@ -390,7 +393,11 @@ async def stream_chat(
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
-                    request.output_tokens = int(chunk["usage"]["completion_tokens"])
+                    usage = chunk["usage"]
+                    request.output_tokens = int(usage["completion_tokens"])
+                    request.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    request.cached_tokens = int(details.get("cached_tokens") or 0)
                 for choice in chunk.get("choices", []):
                     content = (choice.get("delta") or {}).get("content") or choice.get("text")
                     if content:

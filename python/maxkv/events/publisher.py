@@ -169,6 +169,14 @@ class ZmqEventPublisher:
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)  # the thread closes the sockets as it ends
+        stats = self.stats
+        logger.info(
+            "maxkv: KV events: %d batches published (%d events), %d dropped, %d replays served",
+            stats.batches_published,
+            stats.events_published,
+            stats.batches_dropped,
+            stats.replays_served,
+        )
 
     # ------------------------------------------------------ the thread
 
