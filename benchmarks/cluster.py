@@ -6,11 +6,12 @@ A multi-tenant chat workload: ``--tenants`` tenants, each with its own system
 prompt of about ``--system-tokens`` tokens (a slice of the GPL-3 text in
 ``/usr/share/common-licenses``, each tenant's from another place), and
 ``--questions`` questions per tenant, interleaved (every tenant's first
-question, then every tenant's second, ...), ``--concurrency`` in flight,
-greedy, ``--max-tokens`` new tokens.  ``--replicas`` replicas of ``max serve``
-on maxkv (SmolLM2 by default), each with a KV budget (``MAXKV_KV_CACHE_GB``,
-default: the pages of half the tenants' prompts and of the requests in
-flight) and no host tier, behind vllm-router with each policy in turn:
+question, then every tenant's second, ..., each round in a seeded order),
+``--concurrency`` in flight, greedy, ``--max-tokens`` new tokens.  There are
+``--replicas`` replicas of ``max serve`` on maxkv (SmolLM2 by default), each
+with a KV budget (``MAXKV_KV_CACHE_GB``; default: the pages of half the
+tenants' prompts and of the requests in flight) and no host tier, behind
+vllm-router with each policy in turn:
 
 - ``round_robin``: blind;
 - ``cache_aware``: the router's approximate prefix tree of what it sent where
@@ -42,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -89,6 +91,10 @@ def tenant_prompts(tenants: int, tokens: int) -> list[str]:
 
 def workload(args: argparse.Namespace) -> list[Request]:
     prompts = tenant_prompts(args.tenants, args.system_tokens)
+    # Every tenant asks once a round, in a seeded order of its own each round (a fixed
+    # order would let round_robin put each tenant on the same replica every time).
+    tenants = range(args.tenants)
+    rounds = [random.Random(q).sample(tenants, args.tenants) for q in range(args.questions)]
     return [
         Request(
             f"t{t}/q{q}",
@@ -98,8 +104,8 @@ def workload(args: argparse.Namespace) -> list[Request]:
             ],
             args.max_tokens,
         )
-        for q in range(args.questions)
-        for t in range(args.tenants)
+        for q, order in enumerate(rounds)
+        for t in order
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -329,3 +330,70 @@ def test_vllm_router_sends_a_tenant_to_the_replica_holding_its_prefix(
         assert third == other, log.read_text()[-3000:]
         assert decisions(log)[-1][0] == replicas[other].server.url
         assert decisions(log)[-1][1] >= 4 * PAGE, decisions(log)
+
+
+#: A Python with NVIDIA Dynamo's standalone indexer (docs/cluster.md says how to
+#: install it; ``pip install ai-dynamo`` cannot resolve on every machine).
+DYNAMO_PYTHON = os.environ.get("DYNAMO_PYTHON", "/tmp/dvenv/bin/python")
+
+
+def dynamo_installed() -> bool:
+    if not Path(DYNAMO_PYTHON).exists():
+        return False
+    found = subprocess.run(
+        [DYNAMO_PYTHON, "-c", "import dynamo.indexer"], capture_output=True, timeout=120
+    )
+    return found.returncode == 0
+
+
+@pytest.mark.skipif(not dynamo_installed(), reason="Dynamo's indexer: set DYNAMO_PYTHON")
+def test_dynamos_indexer_finds_the_replica_holding_a_prefix(replicas: list[Replica]) -> None:
+    """Dynamo's standalone indexer, an independent consumer of the events: after a
+    tenant's request on one replica, it credits that replica (only) with the
+    prompt's full blocks; after a reset, no one."""
+    port = _free_port()
+    workers = ",".join(f"{i + 1}={r.events}" for i, r in enumerate(replicas))
+    indexer = subprocess.Popen(
+        [
+            *(DYNAMO_PYTHON, "-m", "dynamo.indexer", "--port", str(port)),
+            *("--block-size", str(PAGE), "--model-name", "tiny", "--workers", workers),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        time.sleep(1.0)  # its subscriptions reach the replicas (ZMQ's slow joiner)
+        holder = replicas[0].server
+        body = chat_body(holder, "b", "What do you do?")
+        status, rendered = post(f"{holder.url}/v1/chat/completions/render", body)
+        assert status == 200
+        assert post(f"{holder.url}/v1/chat/completions", body)[0] == 200
+        query = {"token_ids": rendered["token_ids"], "model_name": "tiny"}
+        full = len(rendered["token_ids"]) // PAGE * PAGE
+        deadline = time.monotonic() + 10
+        while True:
+            status, answer = post(f"{url}/query", query)
+            assert status == 200, answer
+            found = answer["instances"]
+            if found.get("1", {}).get("longest_matched") == full or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert found["1"]["longest_matched"] == found["1"]["gpu"] == full, answer
+        assert "2" not in found, answer  # the other replica never computed it
+        assert post(f"{holder.url}/reset_prefix_cache", {})[0] == 200
+        deadline = time.monotonic() + 10
+        while post(f"{url}/query", query)[1]["instances"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert post(f"{url}/query", query)[1]["instances"] == {}
+    finally:
+        os.killpg(indexer.pid, signal.SIGTERM)
+        indexer.wait(timeout=30)
