@@ -29,6 +29,7 @@ from maxkv.events.log import KVEventLog
 from .conftest import RELIABILITY_COUNTS
 from .fakes import paged
 from .test_hybrid_cache import PAGE, PARAMS, HybridTierMachine
+from .test_reliability import PrefixMachine
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +52,8 @@ REMOVED_OPTIONAL = {"group_idx"}
 class Subscriber:
     """What a router learns from the stream: per (group, medium) the hashes stored."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = PAGE) -> None:
+        self.block_size = block_size
         self.held: dict[tuple[int, str], set[int]] = defaultdict(set)
         #: Every block ever announced: (salt of its chain, its tokens from the start).
         self.prefix: dict[int, tuple[Any, tuple[int, ...]]] = {}
@@ -88,7 +90,7 @@ class Subscriber:
     def stored(self, event: dict[str, Any]) -> None:
         hashes, size = event["block_hashes"], event["block_size"]
         tokens = event["token_ids"]
-        assert size == PAGE and len(tokens) == len(hashes) * size
+        assert size == self.block_size and len(tokens) == len(hashes) * size
         assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
         assert event["lora_id"] is None and event["lora_name"] is None
         assert event["medium"] in ("GPU", "CPU", "STORAGE")
@@ -226,3 +228,28 @@ def test_a_sink_that_fails_never_fails_the_step() -> None:
     m.step({seq: 5}, tokens={seq: [1, 2, 3, 4, 5]})
     assert (log.events_sent, log.events_lost) == (1, 1)
     assert m.cache_lengths[seq] == 5
+
+
+class ContiguousEventsMachine(PrefixMachine):
+    """:class:`~tests.test_reliability.PrefixMachine` (the contiguous cache's prefix
+    index over live and released slots) with KV events attached: a block is
+    announced while some slot the index searches holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subscriber = Subscriber(block_size=2)
+        self.manager.attach_kv_events(self.subscriber)
+
+    @invariant()
+    def the_subscriber_sees_what_the_index_finds(self) -> None:
+        from maxkv.events import event_hash
+
+        index = self.manager._prefix
+        assert index is not None
+        indexed = {event_hash(h) for h in index._slots_by_hash}
+        assert self.subscriber.held[0, "GPU"] == indexed
+        RELIABILITY_COUNTS["contiguous events machine: blocks checked"] += len(indexed)
+
+
+ContiguousEventsMachine.TestCase.settings = PrefixMachine.TestCase.settings
+TestContiguousEventsStateMachine = ContiguousEventsMachine.TestCase

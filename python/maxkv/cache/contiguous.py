@@ -27,10 +27,12 @@ import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 
+from ..events.log import EventSink, KVEventLog
 from ..validation import require_int
 from .params import KVCacheParams
 from .prefix import PrefixIndex
 from .protocol import (
+    CacheCapabilities,
     CacheDevice,
     KVCacheManagerBase,
     device_inputs,
@@ -68,6 +70,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
             that cannot copy rows.
     """
 
+    capabilities = CacheCapabilities(events=True)
     _id_noun = "slots"
     _batch_arg = "max_cache_batch_size"
 
@@ -201,6 +204,24 @@ class ContinuousBatchingKVCacheManager(KVCacheManagerBase):
     def _storage_prefix_counters(self) -> tuple[int, int]:
         assert self._prefix is not None
         return self._prefix.stats.evictions, self._prefix.indexed_blocks
+
+    def attach_kv_events(self, sink: EventSink) -> KVEventLog:
+        """From now on, announces the blocks its prefix index finds (in live and
+        released slots) to ``sink`` as KV events (:mod:`maxkv.events.log`): a block
+        is stored when a first slot holds it, removed when the last one lets it go.
+
+        Raises:
+            ValueError: If prefix caching is off, or events are attached already.
+        """
+        with self._lock:
+            self._require_prefix_caching("attach_kv_events")
+            if self._lock.events is not None:
+                raise ValueError("KV events are attached to this cache already")
+            assert self._prefix is not None
+            log = KVEventLog(sink)
+            self._prefix.events = log.group(0, self._prefix.block_size, None)
+            self._lock.events = log
+            return log
 
     def _storage_reset_prefix_cache(self) -> None:
         # Released slots' records go; live sequences stay findable until released.

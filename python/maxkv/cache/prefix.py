@@ -25,8 +25,12 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..events.log import GroupEvents
 
 
 @dataclass
@@ -95,6 +99,9 @@ class PrefixIndex:
         self._slots_by_hash: dict[bytes, set[int]] = {}
         #: Released slots whose records (and KV) are kept, oldest release first.
         self._released: OrderedDict[int, None] = OrderedDict()
+        #: Where a block is announced when a first slot indexes it and removed when the
+        #: last one drops it (KV events), or ``None``.
+        self.events: GroupEvents | None = None
 
     @property
     def indexed_blocks(self) -> int:
@@ -120,8 +127,17 @@ class PrefixIndex:
         hashes = self._hashes.setdefault(slot, [])
         parent = hashes[-1] if hashes else root_hash(self._salts.get(slot))
         for block in block_hashes(held, self.block_size, parent, len(hashes) * self.block_size):
+            holders = self._slots_by_hash.setdefault(block, set())
+            if not holders and self.events is not None:
+                begin = len(hashes) * self.block_size
+                self.events.stored(
+                    block,
+                    hashes[-1] if hashes else None,
+                    held[begin : begin + self.block_size],
+                    self._salts.get(slot),
+                )
             hashes.append(block)
-            self._slots_by_hash.setdefault(block, set()).add(slot)
+            holders.add(slot)
 
     def truncate(self, slot: int, length: int) -> None:
         """``slot`` now holds only its first ``length`` tokens."""
@@ -201,3 +217,5 @@ class PrefixIndex:
             holders.discard(slot)
             if not holders:
                 del self._slots_by_hash[block]
+                if self.events is not None:
+                    self.events.removed([block])
