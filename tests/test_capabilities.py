@@ -48,10 +48,10 @@ def managers() -> dict[str, KVCacheManagerBase]:
 def test_each_manager_declares_what_it_offers() -> None:
     found = {name: m.capabilities for name, m in managers().items()}
     assert found["paged"] == CacheCapabilities(
-        pages=True, swap=True, sinks=True, blending=True, tiers=True
+        pages=True, swap=True, sinks=True, blending=True, tiers=True, events=True
     )
-    assert found["contiguous"] == CacheCapabilities()
-    assert found["hybrid"].names() == ("pages", "swap", "tiers")
+    assert found["contiguous"] == CacheCapabilities(events=True)
+    assert found["hybrid"].names() == ("pages", "swap", "tiers", "events")
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged", "hybrid"])
