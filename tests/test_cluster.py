@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from .pipeline_helpers import Server, _free_port, make_tiny_llama_dir, read_events, running_server
+from .test_router_fields import ROUTER_CHAT_DEFAULTS
 
 pytestmark = pytest.mark.serve
 
@@ -144,22 +145,9 @@ def test_render_routes_answer_the_tokens_the_server_runs(replicas: list[Replica]
 
 def test_the_fields_routers_add_are_served_or_refused_by_name(replicas: list[Replica]) -> None:
     server = replicas[0].server
-    # What vllm-router 0.1.17 adds to every chat request it forwards.
-    router_defaults = {
-        "stream": False,
-        "logprobs": False,
-        "no_stop_trim": False,
-        "ignore_eos": False,
-        "continue_final_message": False,
-        "skip_special_tokens": True,
-        "separate_reasoning": True,
-        "stream_reasoning": True,
-        "return_hidden_states": False,
-        "include_reasoning": True,
-    }
     status, plain = post(f"{server.url}/v1/chat/completions", chat_body(server, "b", "Hi"))
     assert status == 200
-    body = chat_body(server, "b", "Hi", **router_defaults)
+    body = chat_body(server, "b", "Hi", **ROUTER_CHAT_DEFAULTS)
     status, forwarded = post(f"{server.url}/v1/chat/completions", body)
     assert status == 200, forwarded
     assert forwarded["choices"][0]["message"] == plain["choices"][0]["message"]

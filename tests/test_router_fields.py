@@ -8,6 +8,21 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
+#: What vllm-router 0.1.17 adds to every chat request it forwards (its defaults; a
+#: client's own values pass through).
+ROUTER_CHAT_DEFAULTS = {
+    "stream": False,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+
 
 @pytest.fixture(scope="module")
 def api():  # type: ignore[no-untyped-def]
@@ -23,20 +38,10 @@ def chat_fields() -> set[str]:
 
 
 def test_what_vllm_router_adds_is_served_and_taken_out(api) -> None:  # type: ignore[no-untyped-def]
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-        "no_stop_trim": False,
-        "ignore_eos": False,
-        "continue_final_message": False,
-        "skip_special_tokens": True,
-        "separate_reasoning": True,
-        "stream_reasoning": True,
-        "return_hidden_states": False,
-        "include_reasoning": True,
-    }
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **ROUTER_CHAT_DEFAULTS}
     out = api.accept_router_fields(body, chat_fields())
-    assert set(out) == {"model", "messages", "ignore_eos", "chat_template_kwargs"}
+    kept = {"model", "messages", "stream", "logprobs", "ignore_eos", "chat_template_kwargs"}
+    assert set(out) == kept
     assert out["chat_template_kwargs"] == {"continue_final_message": False}
     assert "no_stop_trim" in body  # the caller's body is left as it was
 
