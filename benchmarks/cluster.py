@@ -44,7 +44,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -72,7 +71,8 @@ from serve import (
 )
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "kv_aware+redis")
-PAGE = 16
+#: Tokens per block (maxkv's page); vLLM's CPU attention takes multiples of 32 only.
+BLOCK = {"maxkv": 16, "vllm": 32}
 #: Characters of the GPL-3 text per system-prompt token (SmolLM2's tokenizer, about).
 CHARS_PER_TOKEN = 4.3
 
@@ -127,7 +127,7 @@ async def drive(url: str, model: str, requests: list[Request], concurrency: int)
 
 @contextlib.contextmanager
 def router(
-    policy: str, workers: list[str], sources: list[tuple[str, str]], log: Path
+    policy: str, workers: list[str], sources: list[tuple[str, str]], block: int, log: Path
 ) -> Iterator[str]:
     """vllm-router with ``policy`` in front of ``workers``; ``sources``: each worker's
     event and replay endpoints (kv_aware)."""
@@ -142,7 +142,7 @@ def router(
         for worker, (events, replay) in zip(workers, sources, strict=True):
             command += ["--kv-event-source", f"{worker}={events}"]
             command += ["--kv-event-replay-source", f"{worker}={replay}"]
-        command += ["--kv-event-block-size", str(PAGE), "--kv-event-model", "bench"]
+        command += ["--kv-event-block-size", str(block), "--kv-event-model", "bench"]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -168,14 +168,22 @@ def router(
 
 def server_args(args: argparse.Namespace, side: str, env: dict[str, str]) -> argparse.Namespace:
     """The namespace :func:`serve.server` reads, for one replica."""
-    flags = ["--enable-prefix-caching", "--kv-cache-page-size", str(PAGE)]
-    vllm_args = ["--enable-prefix-caching", "--block-size", str(PAGE)]
+    flags = ["--enable-prefix-caching", "--kv-cache-page-size", str(BLOCK["maxkv"])]
+    # Eager: its compiled start takes 3 minutes here for about the same speed on this model.
+    vllm_args = ["--enable-prefix-caching", "--block-size", str(BLOCK["vllm"]), "--enforce-eager"]
+    vllm_args += ["--enable-prompt-tokens-details", "--enable-scale-out"]  # usage, render
+    if args.kv_cache_gb and side == "vllm":
+        block_bytes = kv_bytes_per_token(args.model_dir) * BLOCK["vllm"]
+        blocks = int(args.kv_cache_gb * 2**30 / block_bytes)
+        vllm_args += ["--num-gpu-blocks-override", str(blocks)]
     if side == "vllm" and "events" in env:
+        # vLLM's publisher binds only an endpoint with a wildcard host (it connects to
+        # any other, for a broker); the router connects to it on loopback.
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": env["events"],
-            "replay_endpoint": env["replay"],
+            "endpoint": env["events"].replace("127.0.0.1", "*"),
+            "replay_endpoint": env["replay"].replace("127.0.0.1", "*"),
             "topic": "",
         }
         vllm_args += ["--kv-events-config", json.dumps(config)]
@@ -243,7 +251,8 @@ def run_policy(
         with contextlib.suppress(urllib.error.URLError):
             urllib.request.urlopen(request, timeout=30).close()
     time.sleep(2.0)
-    with router(policy, urls, sources, logs / f"router_{side}_{policy}.log") as url:
+    log = logs / f"router_{side}_{policy}.log"
+    with router(policy, urls, sources, BLOCK[side], log) as url:
         requests = workload(args)
         elapsed = asyncio.run(drive(url, model, requests, args.concurrency))
     ok = [r for r in requests if r.error is None]
@@ -314,17 +323,12 @@ def publish_overhead(args: argparse.Namespace, model_dir: Path, logs: Path) -> l
                     for i, q in enumerate(questions)
                 ]
                 elapsed = asyncio.run(drive(url, str(model_dir), requests, args.concurrency))
-                received = 0
+                received: list[int] = []
                 if subscriber is not None:
                     while subscriber.poll(200):
-                        subscriber.recv_multipart()
-                        received += 1
+                        received.append(int.from_bytes(subscriber.recv_multipart()[1], "big"))
                     subscriber.close(linger=0)
             text = log.read_text()
-            published = dropped = None
-            found = re.search(r"KV events: (\d+) batches published .*?, (\d+) dropped", text)
-            if found:
-                published, dropped = int(found[1]), int(found[2])
             tokens = sum(r.output_tokens for r in requests if r.error is None)
             runs.append(
                 {
@@ -332,9 +336,13 @@ def publish_overhead(args: argparse.Namespace, model_dir: Path, logs: Path) -> l
                     "repeat": repeat,
                     "tokens_per_s": tokens / elapsed,
                     "failed": sum(r.error is not None for r in requests),
-                    "batches_published": published,
-                    "batches_dropped": dropped,
-                    "batches_received_after_the_run": received if events else None,
+                    # The publisher logs every batch it drops (queue full); a subscriber
+                    # sees any it missed as a gap in the sequence numbers.
+                    "drop_warnings": text.count("KV event queue full"),
+                    "batches_received": len(received) if events else None,
+                    "sequence_gaps": (
+                        received[-1] - received[0] + 1 - len(received) if received else None
+                    ),
                 }
             )
             print(f"[{name}] {runs[-1]}", file=sys.stderr, flush=True)
@@ -375,21 +383,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_kv_budget(args: argparse.Namespace, model_dir: Path) -> float:
-    """GiB of half the tenants' prompts and of the requests in flight (float32 KV)."""
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """Bytes of one token's keys and values in float32, every layer."""
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * 4
-    tokens = (args.tenants // 2) * (args.system_tokens + 2 * PAGE) + args.concurrency * (
-        args.max_tokens + 4 * PAGE
-    )
-    return round(tokens * per_token / 2**30, 4)
+    return int(2 * config["num_hidden_layers"] * heads * head_dim * 4)
+
+
+def default_kv_budget(args: argparse.Namespace, model_dir: Path) -> float:
+    """GiB of half the tenants' prompts and of the requests in flight (float32 KV)."""
+    block = max(BLOCK.values())
+    tokens = (args.tenants // 2) * args.system_tokens + args.concurrency * (args.max_tokens + block)
+    return round(tokens * kv_bytes_per_token(model_dir) / 2**30, 4)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = model_directory(args.model)
+    args.model_dir = model_dir
     logs = args.logs or Path(tempfile.mkdtemp(prefix="maxkv_cluster_"))
     logs.mkdir(parents=True, exist_ok=True)
     if not args.kv_cache_gb:
@@ -398,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": machine_info("cpu"),
         "model": str(model_dir),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("json", "logs")
+        },
     }
     if args.publish_overhead:
         results["publish_overhead"] = publish_overhead(args, model_dir, logs)
@@ -414,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
             if "kv_aware+redis" in args.policies and side == "maxkv":
                 from maxkv.tiers.local_server import LocalRedisServer
 
+                (logs / "redis").mkdir(exist_ok=True)
+
                 with (
-                    LocalRedisServer() as redis,
+                    LocalRedisServer(logs / "redis") as redis,
                     replicas(args, side, model_dir, logs, redis.url) as (urls, sources),
                 ):
                     policy = "kv_aware+redis"

@@ -15,6 +15,7 @@ committed.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -253,3 +254,45 @@ class ContiguousEventsMachine(PrefixMachine):
 
 ContiguousEventsMachine.TestCase.settings = PrefixMachine.TestCase.settings
 TestContiguousEventsStateMachine = ContiguousEventsMachine.TestCase
+
+
+def test_the_disk_and_redis_tiers_announce_their_blocks_as_storage(tmp_path: Path) -> None:
+    """Committed pages go to disk and Redis from the tiers' writer thread: announced
+    ``STORAGE`` (once for both) with the next protocol call's batch; a page the disk
+    evicts stays ``STORAGE`` while Redis holds it."""
+    import fakeredis
+
+    from maxkv.tiers import TierConfig
+
+    disk_dir = tmp_path / "disk"
+    tiers = TierConfig(
+        model_id="events-storage",
+        host_bytes=0,
+        disk_dir=str(disk_dir),
+        redis_url="redis://fake:0/0",
+        redis_client=fakeredis.FakeRedis(),
+        secret="events-test-secret-0123456789",
+    )
+    subscriber = Subscriber()
+    m = paged(PARAMS, PAGE, 8, 2, 64, enable_prefix_caching=True, tiers=tiers)
+    try:
+        m.attach_kv_events(subscriber)
+        (seq,) = m.claim(1)
+        prompt = list(range(1, 3 * PAGE + 2))  # 3 full pages
+        m.fetch([seq], 1, active_lengths=[len(prompt)])
+        m.step({seq: len(prompt)}, tokens={seq: prompt})
+        assert len(subscriber.held[0, "GPU"]) == 3 and not subscriber.held[0, "STORAGE"]
+        store = m.tiers
+        assert store is not None and store.disk is not None
+        store.flush()  # the writer thread wrote them
+        assert len(store.disk) == 3
+        assert m.cache_lengths[seq] == len(prompt)  # a call: the writer's events go out
+        assert subscriber.held[0, "STORAGE"] == subscriber.held[0, "GPU"]
+        # The disk lets one go (its budget shrank): Redis still holds it.
+        store.disk.budget_bytes = store.disk.used_bytes - 1
+        store.disk.put(b"x" * 16, b"")  # evicts the least recently written
+        assert sum(h in store.disk for h in m.groups[0].pool.cached_hashes()) == 2
+        assert m.cache_lengths[seq] == len(prompt)
+        assert subscriber.held[0, "STORAGE"] == subscriber.held[0, "GPU"]
+    finally:
+        m.close()
