@@ -322,11 +322,11 @@ def test_vllm_router_sends_a_tenant_to_the_replica_holding_its_prefix(
 
 #: A Python with NVIDIA Dynamo's standalone indexer (docs/cluster.md says how to
 #: install it; ``pip install ai-dynamo`` cannot resolve on every machine).
-DYNAMO_PYTHON = os.environ.get("DYNAMO_PYTHON", "/tmp/dvenv/bin/python")
+DYNAMO_PYTHON = os.environ.get("DYNAMO_PYTHON", "")
 
 
 def dynamo_installed() -> bool:
-    if not Path(DYNAMO_PYTHON).exists():
+    if not DYNAMO_PYTHON or not Path(DYNAMO_PYTHON).exists():
         return False
     found = subprocess.run(
         [DYNAMO_PYTHON, "-c", "import dynamo.indexer"], capture_output=True, timeout=120

@@ -68,6 +68,7 @@ def test_continue_final_message_becomes_the_templates_options(api) -> None:  # t
         ("prompt_logprobs", 1),
         ("guided_json", {"type": "object"}),
         ("continue_final_message", "yes"),
+        ("kv_transfer_params", {"do_remote_decode": True}),
     ],
 )
 def test_a_value_that_would_change_the_answer_is_refused_by_name(api, name, value) -> None:  # type: ignore[no-untyped-def]

@@ -133,10 +133,6 @@ def _gib(text: str) -> float:
     return value
 
 
-def _optional_gib(text: str) -> float | None:
-    return _gib(text)
-
-
 def _text(text: str) -> str:
     return text
 
@@ -244,7 +240,7 @@ KEEP_WINDOW_PAGES: Setting[bool] = Setting(
 )  # fmt: skip
 
 KV_CACHE_GB: Setting[float | None] = Setting(
-    "MAXKV_KV_CACHE_GB", None, _optional_gib, "a number of GiB >= 0",
+    "MAXKV_KV_CACHE_GB", None, _gib, "a number of GiB >= 0",
     "most memory the KV cache takes (a replica's share of a machine); unset: what MAX's "
     "memory plan leaves",
     "cache",

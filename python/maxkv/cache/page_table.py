@@ -453,6 +453,7 @@ class PageTable:
                 self.pool.free([page])
             else:
                 self._announce(index, plan.hashes, tokens, salt)
+                self.connector.store.announce_held([block])  # the tier copy it came from
             loaded.append(registered)
         return loaded
 

@@ -13,11 +13,12 @@ index, kind and window):
 - **removed**, medium ``"GPU"``: a registered page whose content is dropped to
   reuse the page (eviction).  A page a window or attention sinks gave back stays
   registered, and servable, until then.
-- **stored / removed** in a tier (``"CPU"``: the host tier; ``"STORAGE"``: disk
-  and Redis): a block this process put there or read into it, and dropped from
-  it (evicted, invalid, cleared).  Only blocks whose tokens this process knows
-  (it announced them on the device first) are announced: a block another
-  replica wrote to Redis is that replica's to announce.
+- **stored / removed** in a tier (``"CPU"``: the host tier; ``"STORAGE"``: the
+  disk tier): a block this process put there or read into it, and dropped from
+  it (evicted, invalid), as the tier does it (under the tier's lock).  Only
+  blocks whose tokens this process knows (it announced them on the device
+  first) are announced.  The Redis tier's blocks are not: they are every
+  replica's, and Redis evicts them without telling anyone.
 - **cleared**: :meth:`~maxkv.KVCacheManagerBase.reset_prefix_cache`.
 
 Events wait in the log until the manager's protocol call that made them ends;
@@ -28,6 +29,7 @@ per block it announced, its parent, tokens and salt until no medium holds it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -43,16 +45,14 @@ from .wire import (
     event_hash,
 )
 
-__all__ = ["DEVICE", "DISK", "HOST", "REDIS", "EventSink", "GroupEvents", "KVEventLog"]
+__all__ = ["DEVICE", "DISK", "HOST", "EventSink", "GroupEvents", "KVEventLog"]
 
 #: Where a block is, as a cache says it; events carry the medium of :data:`WIRE_MEDIUM`.
 DEVICE = "device"
 HOST = "host"
 DISK = "disk"
-REDIS = "redis"
-#: The medium events carry for each place: disk and Redis are both ``"STORAGE"`` (a
-#: block is stored there while either holds it).
-WIRE_MEDIUM = {DEVICE: MEDIUM_GPU, HOST: MEDIUM_CPU, DISK: MEDIUM_STORAGE, REDIS: MEDIUM_STORAGE}
+#: The medium events carry for each place.
+WIRE_MEDIUM = {DEVICE: MEDIUM_GPU, HOST: MEDIUM_CPU, DISK: MEDIUM_STORAGE}
 
 logger = logging.getLogger("maxkv.events")
 
@@ -74,6 +74,21 @@ class _Block:
 
     def in_medium(self, medium: str) -> bool:
         return any(WIRE_MEDIUM[p] == medium for p in self.places)
+
+
+def _never_raises(method: Callable[..., None]) -> Callable[..., None]:
+    """An announcement that fails is logged and counted (``events_lost``), never
+    raised into the cache's step."""
+
+    @functools.wraps(method)
+    def announce(self: GroupEvents, *args: object, **kwargs: object) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception:
+            self.log.events_lost += 1
+            logger.exception("maxkv: a KV event could not be recorded")
+
+    return announce
 
 
 class KVEventLog:
@@ -99,9 +114,10 @@ class KVEventLog:
         return events
 
     def cleared(self) -> None:
-        """Every block of every medium is gone (a prefix cache reset)."""
+        """Every block of every medium is gone (a prefix cache reset): what was
+        waiting is superseded."""
         with self._lock:
-            self._pending.append(AllBlocksCleared())
+            self._pending = [AllBlocksCleared()]
             for group in self._groups:
                 group._blocks.clear()
 
@@ -110,6 +126,8 @@ class KVEventLog:
 
         A sink that raises loses that batch (logged): events never fail a step.
         """
+        if not self._pending:  # most calls: nothing to send, no lock taken
+            return
         with self._lock:
             events, self._pending = self._pending, []
         if not events:
@@ -159,6 +177,7 @@ class GroupEvents:
         self.window = window
         self._blocks: dict[bytes, _Block] = {}
 
+    @_never_raises
     def stored(
         self,
         block: bytes,
@@ -176,6 +195,7 @@ class GroupEvents:
                 known = self._blocks[block] = _Block(parent, tuple(tokens), salt)
             self._store(block, known, place)
 
+    @_never_raises
     def stored_again(self, blocks: Sequence[bytes], place: str) -> None:
         """``blocks`` are servable from ``place`` too (a tier): those this log
         announced somewhere are announced there; the others are unknown here."""
@@ -185,6 +205,7 @@ class GroupEvents:
                 if known is not None:
                     self._store(block, known, place)
 
+    @_never_raises
     def removed(self, blocks: Sequence[bytes], place: str = DEVICE) -> None:
         """``blocks`` are no longer servable from ``place`` (those announced there)."""
         medium = WIRE_MEDIUM[place]
@@ -202,14 +223,13 @@ class GroupEvents:
             if gone:
                 self.log._add(BlockRemoved(gone, medium, self.index))
 
-    def evicted_from(self, place: str) -> Callable[[list[bytes]], None]:
-        """What a store calls with the blocks it lets go of ``place``."""
-        return lambda blocks: self.removed(blocks, place)
+    def stored_in(self, place: str) -> Callable[[list[bytes]], None]:
+        """What a tier calls with the blocks it takes."""
+        return lambda blocks: self.stored_again(blocks, place)
 
-    def holds(self, medium: str = MEDIUM_GPU) -> set[bytes]:
-        """The blocks announced in ``medium`` (a wire medium) and not removed since."""
-        with self.log._lock:
-            return {b for b, known in self._blocks.items() if known.in_medium(medium)}
+    def evicted_from(self, place: str) -> Callable[[list[bytes]], None]:
+        """What a tier (or the page pool) calls with the blocks it lets go."""
+        return lambda blocks: self.removed(blocks, place)
 
     def _store(self, block: bytes, known: _Block, place: str) -> None:
         if place in known.places:

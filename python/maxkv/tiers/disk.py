@@ -66,7 +66,9 @@ class DiskTier:
         self._refuse_until = 0.0
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
-        #: Told the keys of the blocks it deletes (evicted, dropped, cleared): KV events.
+        #: Told, under its lock (so in order), the keys of the blocks it takes and of
+        #: those it deletes (evicted, dropped): KV events.
+        self.on_store: Callable[[list[bytes]], None] | None = None
         self.on_evict: Callable[[list[bytes]], None] | None = None
         self._scan()
 
@@ -151,8 +153,8 @@ class DiskTier:
             # Room for the new file counts from before it is written.
             evicted = self._evict_to(self.budget_bytes - size)
             self.used_bytes += size
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+            if evicted and self.on_evict is not None:
+                self.on_evict(evicted)
         tmp = self.directory / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -175,6 +177,8 @@ class DiskTier:
             return False
         with self._lock:
             self._index[key] = size
+            if self.on_store is not None:
+                self.on_store([key])
         return True
 
     def drop(self, key: bytes) -> None:
@@ -183,10 +187,10 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
+                if self.on_evict is not None:
+                    self.on_evict([key])
         if size is not None:
             self._path(key).unlink(missing_ok=True)
-            if self.on_evict is not None:
-                self.on_evict([key])
 
     def clear(self) -> None:
         with self._lock:

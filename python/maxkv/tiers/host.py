@@ -28,7 +28,9 @@ class HostTier:
         self.evictions = 0
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
         self._lock = threading.Lock()
-        #: Told the keys of the blocks it lets go (evicted, dropped, cleared): KV events.
+        #: Told, under its lock (so in order), the keys of the blocks it takes and of
+        #: those it lets go (evicted, dropped): KV events.
+        self.on_store: Callable[[list[bytes]], None] | None = None
         self.on_evict: Callable[[list[bytes]], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
@@ -65,13 +67,13 @@ class HostTier:
         Evicts least recently used blocks until it fits; returns whether it is kept.
         """
         size = int(array.nbytes)
-        evicted = []
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return True
             if size > self.budget_bytes:
                 return False
+            evicted = []
             while self.used_bytes + size > self.budget_bytes:
                 old_key, (old, _) = self._entries.popitem(last=False)
                 self.used_bytes -= int(old.nbytes)
@@ -79,7 +81,10 @@ class HostTier:
                 evicted.append(old_key)
             self._entries[key] = (array, dict(extra or {}))
             self.used_bytes += size
-        self._evicted(evicted)
+            if evicted and self.on_evict is not None:
+                self.on_evict(evicted)
+            if self.on_store is not None:
+                self.on_store([key])
         return True
 
     def drop(self, key: bytes) -> None:
@@ -87,16 +92,11 @@ class HostTier:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self.used_bytes -= int(entry[0].nbytes)
-        if entry is not None:
-            self._evicted([key])
+                if self.on_evict is not None:
+                    self.on_evict([key])
 
     def clear(self) -> None:
+        """Forgets every block (a prefix cache reset: its ``AllBlocksCleared`` says so)."""
         with self._lock:
-            keys = list(self._entries)
             self._entries.clear()
             self.used_bytes = 0
-        self._evicted(keys)
-
-    def _evicted(self, keys: list[bytes]) -> None:
-        if keys and self.on_evict is not None:
-            self.on_evict(keys)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..events.log import DISK, HOST, REDIS, GroupEvents
+from ..events.log import DISK, HOST, GroupEvents
 from .auth import Keyring, secret_bytes
 from .blocks import BlockInvalid, BlockLayout, decode_block, encode_block
 from .disk import DiskTier
@@ -327,16 +327,27 @@ class TieredBlockStore:
         self._events: GroupEvents | None = None
 
     def announce_to(self, events: GroupEvents) -> None:
-        """Announces from now on the blocks its tiers take and let go (those whose
-        tokens ``events`` knows: announced on the device first) as KV events."""
+        """Announces from now on the blocks its host and disk tiers take and let go
+        (those whose tokens ``events`` knows: announced on the device first) as KV
+        events, each tier under its own lock (so in the order they happen).  The
+        Redis tier's blocks are every replica's and Redis evicts them unseen: they
+        are not announced."""
         self._events = events
-        self.host.on_evict = events.evicted_from(HOST)
-        if self.disk is not None:
-            self.disk.on_evict = events.evicted_from(DISK)
+        for tier, place in ((self.host, HOST), (self.disk, DISK)):
+            if tier is not None:
+                tier.on_store = events.stored_in(place)
+                tier.on_evict = events.evicted_from(place)
 
-    def _stored(self, keys: list[bytes], place: str) -> None:
-        if self._events is not None and keys:
-            self._events.stored_again(keys, place)
+    def announce_held(self, keys: Sequence[bytes]) -> None:
+        """Announces ``keys`` in the local tiers that hold them (blocks loaded from a
+        tier before their tokens were known here)."""
+        if self._events is None:
+            return
+        for tier, place in ((self.host, HOST), (self.disk, DISK)):
+            if tier is not None:
+                held = [k for k in keys if k in tier]
+                if held:
+                    self._events.stored_again(held, place)
 
     @property
     def security(self) -> str:
@@ -437,16 +448,13 @@ class TieredBlockStore:
                     invalid if invalid is not None else f"corrupt: {type(error).__name__}",
                 )
                 tier.drop(key)
-                if name == "redis" and self._events is not None:
-                    self._events.removed([key], REDIS)
                 continue
             with self._lock:
                 if name == "disk":
                     self.stats.disk_hits += 1
                 else:
                     self.stats.redis_hits += 1
-            if self.host.put(key, array, extra):
-                self._stored([key], HOST)
+            self.host.put(key, array, extra)
             return array, extra
         return None
 
@@ -465,8 +473,7 @@ class TieredBlockStore:
         self.layout.check_shape(tuple(array.shape))
         with self._lock:
             self.stats.puts += 1
-        if self.host.put(key, array, extra):
-            self._stored([key], HOST)
+        self.host.put(key, array, extra)
         if not self.remote_tiers or self._closed:
             return
         with self._lock:
@@ -571,11 +578,9 @@ class TieredBlockStore:
                     if self.disk.put(key, data):
                         with self._lock:
                             self.stats.disk_writes += 1
-                        self._stored([key], DISK)
             if self.redis is not None and self.redis.put_many(encoded):
                 with self._lock:
                     self.stats.redis_writes += len(encoded)
-                self._stored([key for key, _ in encoded], REDIS)
         finally:
             with self._lock:
                 self._queued_bytes -= sum(w[1].nbytes for w in writes)

@@ -82,6 +82,7 @@ ROUTER_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "structured_outputs": ((), "guided decoding: use `response_format`"),
     "chat_template": ((), "the server's chat template is the one it was started with"),
     "lora_path": ((), "no LoRA adapter"),
+    "kv_transfer_params": ((), "no KV transfer between servers (prefill/decode split)"),
 }
 #: Fields that change nothing maxkv serves, whatever their value: the reasoning
 #: parser's (maxkv's model families have none), scheduling hints, ids.
@@ -94,7 +95,6 @@ IGNORED_FIELDS = frozenset(
         "priority",
         "request_id",
         "rid",
-        "kv_transfer_params",
         "vllm_xargs",
     }
 )
@@ -132,16 +132,17 @@ def accept_router_fields(body: dict[str, Any], known: Any) -> dict[str, Any]:
                     raise InputError(f"`{name}` must be true or false, got {json.dumps(value)}")
                 template[name] = value
     if template:
-        if template.get("continue_final_message") and template.get("add_generation_prompt"):
-            raise InputError(
-                "`continue_final_message` and `add_generation_prompt` cannot both be true"
-            )
-        if template.get("continue_final_message"):
-            template.setdefault("add_generation_prompt", False)
         given = body.get("chat_template_kwargs")
         if given is not None and not isinstance(given, dict):
             raise InputError("`chat_template_kwargs` must be an object")
-        body["chat_template_kwargs"] = {**template, **(given or {})}
+        if template.get("continue_final_message"):
+            template.setdefault("add_generation_prompt", False)
+        options = {**template, **(given or {})}
+        if options.get("continue_final_message") and options.get("add_generation_prompt"):
+            raise InputError(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true"
+            )
+        body["chat_template_kwargs"] = options
     return body
 
 
@@ -151,11 +152,16 @@ class _RouterTolerant:
 
     def __init__(self, model_cls: Any) -> None:
         self.model_cls = model_cls
-        self.model_fields = model_cls.model_fields
+        #: MAX's fields and the router's: what MAX's parser keeps when it drops unknown
+        #: fields (``allow_extra_request_fields``), so they still reach the check.
+        self.model_fields = {
+            **dict.fromkeys([*ROUTER_FIELDS, *IGNORED_FIELDS, *TEMPLATE_FIELDS]),
+            **model_cls.model_fields,
+        }
 
     def model_validate(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(obj, dict):
-            obj = accept_router_fields(obj, self.model_fields)
+            obj = accept_router_fields(obj, self.model_cls.model_fields)
         return self.model_cls.model_validate(obj, *args, **kwargs)
 
 
@@ -226,6 +232,9 @@ class MaxkvTextTokenizer(TextTokenizer):
     """MAX's ``TextTokenizer`` that refuses (``InputError``, HTTP 400) what the model
     cannot take: token ids outside the model's vocabulary, and prompt-token log
     probabilities (``echo`` with ``logprobs``)."""
+
+    #: It answers the render routes (:mod:`~maxkv.serving.pipelines.render`).
+    renders_tokens = True
 
     def __init__(self, model_path: str, pipeline_config: Any, **kwargs: Any) -> None:
         super().__init__(model_path, pipeline_config, **kwargs)

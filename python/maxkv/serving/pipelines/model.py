@@ -298,11 +298,10 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             ZmqEventPublisher.from_env()  # refuses a replay endpoint alone
             return None
         manager = self.maxkv_manager
-        if not manager.capabilities.events or not manager.prefix_caching:
+        if not manager.prefix_caching:
             raise ValueError(
                 f"{settings.KV_EVENTS_ENDPOINT.name} announces the blocks of the prefix cache: "
                 "start max serve with --enable-prefix-caching"
-                + ("" if manager.capabilities.events else f" and {CACHE_ENV}=paged")
             )
         publisher = ZmqEventPublisher.from_env()
         assert publisher is not None

@@ -67,6 +67,17 @@ def _with_body(request: Request, body: bytes) -> Request:
     return Request(request.scope, receive)
 
 
+def _not_rendering(request: Request) -> Response | None:
+    """A 501 when the served pipeline's tokenizer is not maxkv's (it would generate)."""
+    pipeline = getattr(request.app.state, "pipeline", None)
+    if getattr(getattr(pipeline, "tokenizer", None), "renders_tokens", False):
+        return None
+    return JSONResponse(
+        {"error": {"message": "this server's tokenizer does not render", "code": 501}},
+        status_code=501,
+    )
+
+
 async def _tokens(route: Route, request: Request, body: bytes) -> list[int] | Any:
     """The token ids MAX's ``route`` runs for ``body``, or the route's own answer
     (an error) when it ends before the tokenizer."""
@@ -90,14 +101,17 @@ def _prompts(body: Any) -> list[Any]:
 async def render_completion(request: Request) -> Any:
     """``POST /v1/completions/render``: ``[{"token_ids": [...]}]`` per prompt."""
     route = seams.COMPLETION_ROUTE.resolve()
+    refused = _not_rendering(request)
+    if refused is not None:
+        return refused
     raw = await request.body()
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # MAX's route answers it (a 400)
         body = None
     prompts = _prompts(body)
-    if len(prompts) == 1 or not isinstance(body, dict):
-        bodies = [raw]
+    if len(prompts) == 1 or not isinstance(body, dict) or body.get("stream"):
+        bodies = [raw]  # (a stream of several prompts: the route's own 400)
     else:
         bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
     answers = []
@@ -112,6 +126,9 @@ async def render_completion(request: Request) -> Any:
 async def render_chat(request: Request) -> Any:
     """``POST /v1/chat/completions/render``: ``{"token_ids": [...]}``."""
     route = seams.CHAT_ROUTE.resolve()
+    refused = _not_rendering(request)
+    if refused is not None:
+        return refused
     tokens = await _tokens(route, request, await request.body())
     if not isinstance(tokens, list):
         return tokens
