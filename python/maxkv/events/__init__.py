@@ -2,12 +2,17 @@
 KV-aware routers (vllm-router's ``kv_aware`` policy, Dynamo's indexer, llm-d).
 
 :mod:`maxkv.events.wire` is the format (msgspec structs, vLLM's field for
-field); :mod:`maxkv.events.publisher` the ZMQ publisher with replay.
+field); :mod:`maxkv.events.log` what a cache announces; :mod:`maxkv.events.publisher`
+the ZMQ publisher with replay (it needs pyzmq: ``pip install "maxkv[events]"``;
+imported when first named, so the caches need no ZMQ).
 """
 
 from __future__ import annotations
 
-from .publisher import EventPublisherStats, ZmqEventPublisher
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .publisher import EventPublisherStats, ZmqEventPublisher
 from .wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -35,3 +40,11 @@ __all__ = [
     "encode_batch",
     "event_hash",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("EventPublisherStats", "ZmqEventPublisher"):
+        from . import publisher
+
+        return getattr(publisher, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import zmq
+try:
+    import zmq
+except ImportError as error:  # pragma: no cover (the extra is missing)
+    raise ImportError(
+        'maxkv\'s KV event publisher needs pyzmq: pip install "maxkv[events]"'
+    ) from error
 
 from .. import settings
 from .wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch

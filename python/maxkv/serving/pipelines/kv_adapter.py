@@ -61,7 +61,7 @@ import json
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from max.nn.kv_cache.metrics import KVCacheMetrics
 from max.pipelines.kv_cache import BlockCount, ByteCount, PagedKVCacheManagerInterface
@@ -74,8 +74,10 @@ from ...cache.prefix import common_prefix_length
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
 from ...errors import CacheFullError
-from ...events.publisher import ZmqEventPublisher
 from .blending import ServeBlender
+
+if TYPE_CHECKING:
+    from ...events.publisher import ZmqEventPublisher
 
 
 class MaxkvKVManager(PagedKVCacheManagerInterface):

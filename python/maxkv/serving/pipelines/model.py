@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +55,6 @@ from ...cache.params import KVCacheParams
 from ...cache.protocol import KVCacheManagerBase
 from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
-from ...events.publisher import ZmqEventPublisher
 from ...events.wire import AllBlocksCleared
 from ...models.decoder import DecoderModel, cache_params
 from ...models.gguf_file import read_gguf_quantized
@@ -63,6 +62,9 @@ from ...models.loading import load_model, model_file
 from ...tiers.store import TierConfig
 from .blending import BLEND_ENV, BlendConfig, ServeBlender
 from .speculation import speculative_config
+
+if TYPE_CHECKING:
+    from ...events.publisher import ZmqEventPublisher
 
 #: A child of MAX's pipeline logger, so lines reach the log ``max serve`` prints.
 logger = logging.getLogger("max.pipelines.maxkv")
@@ -295,8 +297,14 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             ValueError: If prefix caching is off (no block would ever be announced).
         """
         if not settings.KV_EVENTS_ENDPOINT.is_set():
-            ZmqEventPublisher.from_env()  # refuses a replay endpoint alone
+            if settings.KV_EVENTS_REPLAY_ENDPOINT.is_set():
+                raise settings.SettingError(
+                    f"{settings.KV_EVENTS_REPLAY_ENDPOINT.name} needs "
+                    f"{settings.KV_EVENTS_ENDPOINT.name}"
+                )
             return None
+        from ...events.publisher import ZmqEventPublisher
+
         manager = self.maxkv_manager
         if not manager.prefix_caching:
             raise ValueError(
