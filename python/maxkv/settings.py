@@ -49,7 +49,7 @@ class Setting(Generic[T]):
         expected: What it takes, for the error (``"a positive integer"``).
         doc: One line: what it does (the settings table's).
         group: Where it acts: ``process``, ``cache``, ``tiers``, ``blend``,
-            ``speculation``.
+            ``speculation``, ``api``.
         verbatim: The text is taken as it is, spaces and all, and set empty it
             is parsed (a separator); otherwise it is stripped and empty is unset.
     """
@@ -408,6 +408,13 @@ SPECULATIVE_MAX_BATCH_TOKENS: Setting[int] = Setting(
     "speculation",
 )  # fmt: skip
 
+# the OpenAI routes
+MAX_CHOICES: Setting[int] = Setting(
+    "MAXKV_MAX_CHOICES", 16, _positive, "a positive integer",
+    "most choices one request may ask for (its n, its best_of); more is a 400",
+    "api",
+)  # fmt: skip
+
 #: Every setting, by name.
 SETTINGS: dict[str, Setting[object]] = {
     s.name: s  # type: ignore[misc]
@@ -421,6 +428,7 @@ SETTINGS: dict[str, Setting[object]] = {
         BLEND_MAX_PER_BATCH, BLEND_CHUNK_CONTEXT,
         SPECULATIVE, NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX,
         SPECULATIVE_ADAPTIVE, SPECULATIVE_ROW_COST, SPECULATIVE_MAX_BATCH_TOKENS,
+        MAX_CHOICES,
     )
 }  # fmt: skip
 

@@ -57,11 +57,9 @@ from .blending import (
     split_prompt,
     with_blend_starts,
 )
+from .choices import choice_order, fork_source
+from .context import maxkv_context
 from .render import Rendered, render_var
-
-#: Request fields whose value must be at most 1.
-SINGLE_CHOICE_FIELDS = ("n", "best_of")
-
 
 #: vLLM's and SGLang's request fields that MAX's schema lacks, with the values maxkv
 #: serves as asked (``None``, the field left out, always is): what its server does
@@ -74,7 +72,7 @@ ROUTER_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "there is no beam search"),
     "echo": ((False,), "a chat answer does not repeat the messages"),
     "truncate_prompt_tokens": ((), "prompts are not truncated: a long one is refused"),
-    "prompt_logprobs": ((), "prompt log probabilities are not computed"),
+    "prompt_logprobs": ((), "ask for the prompt's log probabilities with `echo` and `logprobs`"),
     "guided_json": ((), "guided decoding: use `response_format`"),
     "guided_regex": ((), "guided decoding: use `response_format`"),
     "guided_choice": ((), "guided decoding: use `response_format`"),
@@ -170,15 +168,9 @@ INT64 = (-(2**63), 2**63 - 1)
 
 
 def check_request(request: Any) -> None:
-    """Raises ``InputError`` for a parsed OpenAI request maxkv cannot serve: more than
-    one choice, an empty prompt list, a stream of several prompts."""
-    for name in SINGLE_CHOICE_FIELDS:
-        value = getattr(request, name, None)
-        if value is not None and value > 1:
-            raise InputError(
-                f"`{name}`={value}: maxkv serves one completion per request; send the "
-                f"request {value} times (with different seeds to sample different ones)"
-            )
+    """Raises ``InputError`` for a parsed OpenAI request maxkv cannot serve: an empty
+    prompt list, a stream of several prompts.  (Several choices, ``n`` and
+    ``best_of``, are run by :mod:`~maxkv.serving.pipelines.choices` before.)"""
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:
@@ -296,19 +288,30 @@ class MaxkvTextTokenizer(TextTokenizer):
         return "".join(pieces), ids
 
     async def new_context(self, request: Any) -> Any:
-        if getattr(request, "echo", False) and getattr(request, "logprobs", 0):
-            raise InputError(
-                "`echo` with `logprobs`: maxkv does not compute log probabilities of the "
-                "prompt's tokens; leave out `echo` (logprobs of the generated tokens are served)"
-            )
         if request.sampling_params is not None:
             check_sampling(request.sampling_params, self.vocab_limit)
         reset = blend_starts_var.set(None)
         try:
-            context = await super().new_context(request)
+            async with choice_order(str(request.request_id)):
+                context = await self._checked_context(request)
             starts = blend_starts_var.get()
         finally:
             blend_starts_var.reset(reset)
+        fork_of = fork_source(str(request.request_id))
+        if fork_of is not None:
+            context = maxkv_context(context, fork_of=fork_of)
+        if starts is not None:
+            return with_blend_starts(context, starts)
+        return context
+
+    async def _checked_context(self, request: Any) -> Any:
+        """MAX's context of ``request``, its prompt's ids checked (a render's answered).
+
+        Raises:
+            InputError: For a prompt with no token or an id outside the vocabulary.
+            Rendered: In a render route, with the prompt's ids.
+        """
+        context = await super().new_context(request)
         ids = np.asarray(context.tokens.all)
         if ids.size == 0:
             raise InputError("the prompt has no tokens")
@@ -317,8 +320,6 @@ class MaxkvTextTokenizer(TextTokenizer):
             check_token_ids(ids.tolist(), self.vocab_limit)
         if render_var.get():  # a render route: the tokens are the answer
             raise Rendered([int(t) for t in ids])
-        if starts is not None:
-            return with_blend_starts(context, starts)
         return context
 
 

@@ -27,7 +27,7 @@ from max.pipelines.modeling.types import PipelineTask
 from ... import seams
 from ...models.registry import registered_architectures
 from .api import MaxkvTextTokenizer
-from .blending import MaxkvTextContext
+from .context import MaxkvTextContext
 from .kv_adapter import MaxkvKVManager
 from .model import MaxkvArchConfig, MaxkvPipelineModel, accept_maxkv_formats, host_array
 from .speculation import ServeSpeculation, SpeculationMetrics, completes_stop_string
@@ -242,6 +242,9 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
 
     def release(self, request_id: Any) -> None:
         super().release(request_id)
+        model = self._pipeline_model
+        if isinstance(model, MaxkvPipelineModel):
+            model.prompt_logprobs.forget(request_id)
         if self.speculation is not None:
             self.speculation.forget(request_id)
 

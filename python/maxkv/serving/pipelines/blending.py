@@ -60,6 +60,7 @@ from ...blend.store import CacheBlendRetrieverTask, StoredKV
 from ...cache.protocol import KVCacheManagerBase
 from ...models.config import DecoderConfig
 from ...tiers.store import TierConfig
+from .context import MaxkvTextContext, maxkv_context
 
 logger = logging.getLogger("max.pipelines.maxkv")
 
@@ -143,19 +144,9 @@ class BlendConfig:
         )
 
 
-@dataclass(kw_only=True)
-class MaxkvTextContext(TextContext):
-    """MAX's ``TextContext`` with where a blended prompt's pieces start."""
-
-    blend_starts: list[int] | None = field(default=None)
-    """Where each chunk starts in the prompt, then where the suffix starts
-    (increasing, inside the prompt); ``None`` for a prompt without separators."""
-
-
 def with_blend_starts(context: TextContext, starts: list[int]) -> MaxkvTextContext:
     """``context`` as a :class:`MaxkvTextContext` carrying ``starts``."""
-    values = {f.name: getattr(context, f.name) for f in dataclasses.fields(context) if f.init}
-    return MaxkvTextContext(**values, blend_starts=list(starts))
+    return maxkv_context(context, blend_starts=list(starts))
 
 
 #: The starts :func:`encode_pieces` found for the request being tokenized.

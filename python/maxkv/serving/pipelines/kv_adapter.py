@@ -63,6 +63,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from max.nn.kv_cache.metrics import KVCacheMetrics
 from max.pipelines.kv_cache import BlockCount, ByteCount, PagedKVCacheManagerInterface
 from max.pipelines.kv_cache.kv_connector import CompletedTransfer
@@ -75,6 +76,7 @@ from ...cache.protocol import KVCacheManagerBase
 from ...cache.spec import CacheInputs
 from ...errors import CacheFullError
 from .blending import ServeBlender
+from .context import wants_prompt_logprobs
 
 if TYPE_CHECKING:
     from ...events.publisher import ZmqEventPublisher
@@ -130,6 +132,11 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         self._committed: dict[Any, int] = {}
         #: Requests whose prompt is not all in the cache yet: id -> (salt, prompt).
         self._prefilling: dict[Any, tuple[str | None, list[int]]] = {}
+        #: Claimed requests by the text of their id (what a choice's ``fork_of`` names).
+        self._ids: dict[str, Any] = {}
+        #: Claimed requests' prompts (a choice forks one only with its own prompt).
+        self._prompts: dict[Any, np.ndarray] = {}
+
         self._metrics = KVCacheMetrics()
         self._event_log = settings.EVENT_LOG.read()
 
@@ -144,6 +151,8 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 raise ValueError(f"maxkv: request {ctx.request_id} is already claimed")
             self._seqs[ctx.request_id] = None
             self._committed[ctx.request_id] = 0
+            self._ids[str(ctx.request_id)] = ctx.request_id
+            self._prompts[ctx.request_id] = ctx.tokens.prompt
 
     def alloc(self, ctx: Any) -> Any:
         """Starts the request's sequence (once, reusing its cached prefix) and
@@ -184,7 +193,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                     if cached:
                         tokens.rewind_processing(cached)
                 raise InsufficientBlocksError(f"maxkv: {error}") from error
-            if started and self.blender is not None:
+            if started and self.blender is not None and not wants_prompt_logprobs(ctx):
                 blended = self.blender.begin(ctx, self.manager, seq, cached)
                 if blended:  # committed as a cached prefix is: the request skips them
                     ids = ctx.tokens.all[cached : cached + blended].tolist()
@@ -211,9 +220,16 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
 
         Raises:
             InsufficientBlocksError: No sequence id is free, or another request
-                is prefilling pages of this prompt that are not cached yet.
+                is prefilling pages of this prompt that are not cached yet, or
+                the choice this one forks has not computed its prompt yet.
         """
         try:
+            if wants_prompt_logprobs(ctx):  # every prompt row is computed
+                (seq,), cached = self.manager.claim(1), 0
+                return self._started(ctx, seq, cached)
+            forked = self._fork(ctx)
+            if forked is not None:
+                return self._started(ctx, *forked)
             if self.blender is not None and self.blender.batch_full(ctx):
                 raise InsufficientBlocksError(
                     f"maxkv: request {ctx.request_id} waits for the next batch to blend "
@@ -232,11 +248,50 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 (seq,), cached = self.manager.claim(1), 0
         except CacheFullError as error:
             raise InsufficientBlocksError(f"maxkv: {error} (--max-batch-size)") from error
+        return self._started(ctx, seq, cached)
+
+    def _started(self, ctx: Any, seq: int, cached: int) -> tuple[int, int]:
         if self.sinks is not None:
             self.manager.enable_attention_sinks(seq, *self.sinks)
         if cached:
             ctx.tokens.skip_processing(cached)
         return seq, cached
+
+    def _fork(self, ctx: Any) -> tuple[int, int] | None:
+        """A choice of a request with several (``n``, ``best_of``): its sequence
+        forked from the first choice's once that one's prompt is in the cache, with
+        every token but the prompt's last (recomputed: its logits draw this
+        choice's first token); ``None`` when the first choice cannot be forked
+        (ended, preempted, its prompt not this one's; or attention sinks, where
+        cache positions lag tokens): the prompt is then computed as for any
+        request, from the prefix cache where it holds it.
+
+        Raises:
+            InsufficientBlocksError: The first choice has not computed its prompt
+                yet (it reached the worker first: the API server sends it first).
+            CacheFullError: No sequence id or page for the fork.
+        """
+        source = getattr(ctx, "fork_of", None)
+        if source is None or self.sinks is not None or not self.manager.copies_supported:
+            return None
+        first = self._ids.get(source)
+        if first is None:  # gone
+            return None
+        prompt = ctx.tokens.prompt
+        length = len(prompt) - 1
+        seq = self._seqs.get(first)
+        theirs = self._prompts.get(first)
+        if theirs is None or len(theirs) != len(prompt) or not np.array_equal(theirs, prompt):
+            return None
+        if seq is None or self._committed[first] < length:
+            raise InsufficientBlocksError(
+                f"maxkv: choice {ctx.request_id} waits for choice {source} to compute the "
+                f"prompt they share"
+            )
+        try:
+            return self.manager.fork(seq, length), length
+        except ValueError:  # (a window that gave the prompt's first pages back)
+            return None
 
     def _wait_for_shared_prefill(self, ctx: Any, prompt: list[int]) -> None:
         """Defers a request whose prompt shares a page or more, beyond what is
@@ -335,12 +390,18 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 raise ValueError(f"maxkv: request {ctx.request_id} is not claimed")
             seq = self._seqs.pop(ctx.request_id)
             del self._committed[ctx.request_id]
+            self._forget(ctx.request_id)
             self._prefilling.pop(ctx.request_id, None)
             if self.blender is not None:
                 self.blender.forget(ctx)
             if seq is not None:
                 self.manager.release(seq)
                 self._event("release", ctx, seq)
+
+    def _forget(self, request_id: Any) -> None:
+        """Forgets what the choices of a released request looked it up by."""
+        self._ids.pop(str(request_id), None)
+        self._prompts.pop(request_id, None)
 
     def contains(self, ctx: Any) -> bool:
         with self._lock:

@@ -1,10 +1,12 @@
 """maxkv's Llama as a MAX ``PipelineModelWithKVCache``.
 
 The model graph is :func:`maxkv.models.decoder.build_decoder_graph` (the same
-code the demo runs) with ``output="logits"``: the float32 logits of each
-sequence's last token, which MAX's sampler turns into the next token (and
-MAX's log-probability graph into ``logprobs``).  The cache is chosen by the
-environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
+code the demo runs) with ``output="logits"`` and ``head_rows="given"``: the
+float32 logits of each sequence's last token, which MAX's sampler turns into
+the next token (and MAX's log-probability graph into ``logprobs``); of every
+prompt token of the requests that ask for the prompt's log probabilities
+(:mod:`~maxkv.serving.pipelines.prompt_logprobs`); and of speculative drafts.
+The cache is chosen by the environment variable :data:`CACHE_ENV` (``MAXKV_CACHE``):
 
 - ``paged`` (default): a :class:`~maxkv.PagedKVCacheManager` with as many
   pages as MAX's memory plan gives the KV cache; prefix caching by page
@@ -33,7 +35,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,8 @@ from ...models.gguf_file import read_gguf_quantized
 from ...models.loading import load_model, model_file
 from ...tiers.store import TierConfig
 from .blending import BLEND_ENV, BlendConfig, ServeBlender
+from .context import wants_prompt_logprobs
+from .prompt_logprobs import PromptLogProbabilities, PromptRows
 from .speculation import speculative_config
 
 if TYPE_CHECKING:
@@ -151,12 +155,19 @@ class MaxkvInputs(ModelInputs):
     input_row_offsets: Buffer
     """uint32 ``[batch + 1]`` on the model's device."""
     head_rows: Buffer | None = None
-    """With speculation (:data:`~maxkv.serving.pipelines.speculation.SPECULATIVE_ENV`):
-    int64 ``[rows]``, the rows the head reads: each sequence's last pending
-    token and its drafts after it."""
+    """int64 ``[rows]``, the rows the head reads: each sequence's last pending
+    token and its drafts after it (speculation,
+    :data:`~maxkv.serving.pipelines.speculation.SPECULATIVE_ENV`), or every
+    token of the step of a request that asked for its prompt's log
+    probabilities."""
     first_rows: npt.NDArray[np.int64] | None = None
-    """With :attr:`head_rows`: per sequence, its first head row (the one a step
-    without drafts reads), indices into the head's rows."""
+    """With :attr:`head_rows`: per sequence, its first head row, indices into the
+    head's rows."""
+    sample_rows: npt.NDArray[np.int64] | None = None
+    """With :attr:`head_rows`: per sequence, the head row the sampler reads (its
+    last pending token's)."""
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    """The requests whose prompt rows the head reads, and which tokens they predict."""
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
@@ -198,7 +209,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
     Face directory with safetensors, or a GGUF file in the directory), runs
     float32 on one device, and returns the last token's logits of each
     sequence (MAX samples from them; MAX's ``LogProbabilitiesMixin`` turns
-    them into ``logprobs``).
+    them into ``logprobs``), and the prompt rows' of requests with ``echo``
+    and ``logprobs`` (:meth:`compute_log_probabilities`).
     """
 
     #: Drives MAX's memory plan and ``kv_params``.
@@ -208,8 +220,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         super().__init__(*args, **kwargs)
         if self.return_logits != ReturnLogits.LAST_TOKEN:
             raise ValueError(
-                "maxkv.pipelines returns the last token's logits only: --enable-echo and "
-                "all-token logits are not supported"
+                "maxkv.pipelines computes the prompt's log probabilities of the requests "
+                "that ask (echo with logprobs) without --enable-echo: leave it out"
             )
         if len(self.devices) != 1:
             raise ValueError(f"maxkv.pipelines runs on one device; {len(self.devices)} were given")
@@ -264,8 +276,10 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             session,
             output="logits",
             quantized=quantized,
-            head_rows="given" if self.speculative else "last",
+            head_rows="given",
         )
+        #: Prompt log probabilities of requests in a chunked prefill, until its end.
+        self.prompt_logprobs = PromptLogProbabilities()
         #: CacheBlend of prompts with chunks (``MAXKV_BLEND``), or ``None``.
         self.blender = self._blender(config, weights, session, path)
         logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
@@ -396,18 +410,45 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             input_row_offsets=Buffer.from_numpy(offsets).to(device),
             kv_cache_inputs=kv_cache_inputs,
         )
-        if self.decoder.head_rows == "given":
-            counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
-            ends = offsets[1:].astype(np.int64)
-            rows = (
-                np.concatenate([np.arange(e - n, e) for e, n in zip(ends, counts, strict=True)])
-                if batch
-                else np.zeros(0, np.int64)
-            )
-            inputs.head_rows = Buffer.from_numpy(rows.astype(np.int64)).to(device)
-            inputs.first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        elif any(drafts):
-            raise ValueError("drafts need a model built with speculation (MAXKV_SPECULATIVE)")
+        if self.decoder.head_rows != "given":
+            if any(drafts):
+                raise ValueError("drafts need a model whose head reads given rows")
+            return inputs
+        rows: list[np.ndarray] = []
+        first, sample = [], []
+        count = 0
+        for ctx, draft, end in zip(batch, drafts, offsets[1:].astype(np.int64), strict=True):
+            if wants_prompt_logprobs(ctx):  # every row of the step
+                if draft:
+                    raise ValueError("a request computing its prompt's log probabilities drafts")
+                n = ctx.tokens.active_length
+                start = ctx.tokens.processed_length
+                prompt_length = ctx.tokens.prompt_length
+                inputs.prompt_rows.append(
+                    PromptRows(
+                        request_id=ctx.request_id,
+                        start=count,
+                        position=start,
+                        rows=n,
+                        targets=np.asarray(
+                            ctx.tokens.all[start + 1 : min(start + n + 1, prompt_length)],
+                            dtype=np.int64,
+                        ),
+                        top_n=int(ctx.log_probabilities),
+                    )
+                )
+                first.append(count)
+                sample.append(count + n - 1)
+            else:  # the last pending token's, then its drafts'
+                n = len(draft) + 1
+                first.append(count)
+                sample.append(count)
+            rows.append(np.arange(end - n, end))
+            count += n
+        picked = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        inputs.head_rows = Buffer.from_numpy(picked.astype(np.int64)).to(device)
+        inputs.first_rows = np.asarray(first, dtype=np.int64)
+        inputs.sample_rows = np.asarray(sample, dtype=np.int64)
         return inputs
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
@@ -424,13 +465,49 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             logits = self.decoder.execute(tokens, offsets, kv)
             return ModelOutputs(logits=logits, next_token_logits=logits)
         logits = self.decoder.execute(tokens, offsets, kv, model_inputs.head_rows)
-        first = model_inputs.first_rows
-        assert first is not None
-        if len(first) == logits.shape[0]:  # no drafts: one row per sequence
+        sample = model_inputs.sample_rows
+        assert sample is not None
+        if len(sample) == logits.shape[0]:  # one row per sequence
             return ModelOutputs(logits=logits, next_token_logits=logits)
-        picked = np.ascontiguousarray(host_array(logits)[first])
+        picked = np.ascontiguousarray(host_array(logits)[sample])
         next_token_logits = Buffer.from_numpy(picked).to(self.devices[0])
         return ModelOutputs(logits=logits, next_token_logits=next_token_logits)
+
+    def compute_log_probabilities(
+        self,
+        session: Any,
+        model_inputs: ModelInputs,
+        model_outputs: ModelOutputs,
+        next_tokens: Buffer,
+        batch_top_n: list[int],
+        batch_echo: list[bool],
+    ) -> list[Any]:
+        """MAX's log probabilities of the sampled tokens, where asked; for a request
+        whose prompt rows the head read (``echo``), those of its prompt tokens
+        (:class:`~maxkv.serving.pipelines.prompt_logprobs.PromptLogProbabilities`):
+        ``None`` until its prompt's last chunk, then every prompt token after the
+        first and the sampled token."""
+        assert isinstance(model_inputs, MaxkvInputs)
+        computed: list[Any] = super().compute_log_probabilities(
+            session,
+            model_inputs,
+            model_outputs,
+            next_tokens,
+            batch_top_n,
+            [False] * len(batch_echo),
+        )
+        if not model_inputs.prompt_rows:
+            return computed
+        rows = host_array(model_outputs.logits)
+        sampled = next_tokens.to_numpy().reshape(-1)
+        assert model_inputs.first_rows is not None
+        item_of = {int(start): i for i, start in enumerate(model_inputs.first_rows)}
+        for prompt in model_inputs.prompt_rows:
+            i = item_of[prompt.start]
+            computed[i] = self.prompt_logprobs.add(
+                prompt, rows[prompt.start : prompt.start + prompt.rows], int(sampled[i])
+            )
+        return computed
 
 
 def host_array(buffer: Buffer) -> np.ndarray:

@@ -31,7 +31,7 @@ from starlette.types import Message
 
 from ... import seams
 
-__all__ = ["Rendered", "add_render_routes", "render_var"]
+__all__ = ["Rendered", "add_render_routes", "render_var", "with_body"]
 
 #: Set while a render route runs MAX's route: the tokenizer answers with the
 #: prompt's tokens (:class:`Rendered`) instead of a context.
@@ -52,7 +52,7 @@ class Rendered(BaseException):
         self.token_ids = token_ids
 
 
-def _with_body(request: Request, body: bytes) -> Request:
+def with_body(request: Request, body: bytes) -> Request:
     """``request`` with ``body`` (the original one was read); later reads wait for
     the client's disconnect, as on the original request."""
     sent = False
@@ -83,7 +83,7 @@ async def _tokens(route: Route, request: Request, body: bytes) -> list[int] | An
     (an error) when it ends before the tokenizer."""
     reset = render_var.set(True)
     try:
-        return await route(_with_body(request, body))
+        return await route(with_body(request, body))
     except Rendered as rendered:
         return rendered.token_ids
     finally:
