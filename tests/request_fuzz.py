@@ -4,7 +4,8 @@ What a fuzzer sends ``max serve``: ``/v1/completions`` and
 ``/v1/chat/completions`` bodies whose every field is omitted, plausible
 (the ranges a client would send, edges included) or wild (any JSON value:
 wrong types, huge and empty values, deep nesting), unknown fields, odd
-combinations (``echo`` with ``logprobs``, ``min_tokens`` over ``max_tokens``,
+combinations (``echo`` with ``logprobs`` and ``max_tokens: 0``, several
+choices streamed or ranked, ``min_tokens`` over ``max_tokens``,
 token ids past the vocabulary, streams with usage), and bytes that are not a
 request at all (malformed JSON, other content types, uploads cut short).
 
@@ -110,7 +111,7 @@ def common_fields(vocab: int) -> dict[str, Field]:
         ),
         "min_tokens": (st.integers(0, 4), st.sampled_from([-1, 100, 2**63])),
         "ignore_eos": (st.booleans(), st.just(None)),
-        "n": (st.just(1), st.integers(-1, 3)),
+        "n": (st.integers(1, 3), st.sampled_from([-1, 0, 17, 2**31, 2**63, True, "2"])),
         "logit_bias": (
             st.dictionaries(token_ids(vocab).map(str), st.integers(-100, 100), max_size=3),
             st.dictionaries(
@@ -198,7 +199,7 @@ def completion_bodies(model: str, vocab: int) -> st.SearchStrategy[dict[str, Any
         **common_fields(vocab),
         "echo": (st.booleans(), st.just(None)),
         "logprobs": (st.integers(0, 5), st.sampled_from([-1, 6, 20, 2**31])),
-        "best_of": (st.just(1), st.integers(-1, 3)),
+        "best_of": (st.integers(1, 4), st.sampled_from([-1, 0, 17, 2**63, "3"])),
         "suffix": (text, wild_scalar),
     }
     model_name: Field = (st.just(model), st.sampled_from(["", "another-model", "/etc/passwd"]))

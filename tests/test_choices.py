@@ -263,7 +263,14 @@ def test_greedy_choices_are_identical_and_transformers_text(
     assert status == 200, answer
     texts = [c["text"] for c in answer["choices"]]
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
-    assert texts == [transformers_completion(model_dir, LONG, 8)] * 4
+    expected = transformers_completion(model_dir, LONG, 8)
+    assert texts == [expected] * 4
+    # A request of one choice goes through MAX's route untouched.
+    status, one = post(
+        server, "/v1/completions", {"prompt": LONG, "max_tokens": 8, "temperature": 0}
+    )
+    assert status == 200, one
+    assert [c["text"] for c in one["choices"]] == [expected]
     events = [e for e in read_events(server.events, start) if e["event"] == "alloc"]
     prompt = len(encode(model_dir, LONG))
     cached = sorted(e["cached_prefix"] for e in events)

@@ -546,14 +546,12 @@ def wrap_choice_routes() -> None:
         for i, entry in enumerate(list(router.routes)):
             if getattr(entry, "endpoint", None) is not route:
                 continue
-            path = entry.path.removeprefix(router.prefix)
-            methods = sorted(entry.methods or ["POST"])
             del router.routes[i]
-            router.add_api_route(
-                path,
+            router.add_api_route(  # as MAX registered it, but for the endpoint
+                entry.path.removeprefix(router.prefix),
                 choices_route(route, chat),
-                methods=methods,
+                methods=sorted(entry.methods or ["POST"]),
                 response_model=None,
-                response_class=Response,
+                response_class=entry.response_class,
             )
             break

@@ -30,7 +30,14 @@ MAX calls                   maxkv does
                             (``ServeBlender``) and skipped like a cached
                             prefix; a request waits a batch for another
                             computing one of its chunks, or when one was
-                            blended while this batch was built
+                            blended while this batch was built.  A
+                            request's later choices (``n``, ``best_of``;
+                            ``ctx.fork_of``) fork its first choice's
+                            sequence once its prompt is computed (they
+                            wait a batch until then) and recompute the
+                            prompt's last token only.  A request asking
+                            for its prompt's log probabilities (``echo``)
+                            computes its prompt whole
 ``runtime_inputs(batches)`` ``fetch(seq_ids, 1, active_lengths=...)``: the
                             per-device 4-tuples the model graph takes
 ``step(ctx)``               ``step({seq_id: newly processed tokens},

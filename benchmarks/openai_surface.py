@@ -1,0 +1,293 @@
+"""The OpenAI surface of ``max serve`` on maxkv: perplexity through ``echo``, and
+several choices by fork.
+
+    python benchmarks/openai_surface.py --json benchmarks/results/openai_surface_avx2.json
+
+``perplexity``: SmolLM2-135M-Instruct (float32) scores the GPL-3 text
+(``/usr/share/common-licenses/GPL-3``) in ``--windows`` windows of ``--window``
+tokens, each a completions request of token ids with ``echo``, ``logprobs: 1``
+and ``max_tokens: 0`` (what lm-evaluation-harness sends), once per KV
+encoding (``--encodings``, MAX's ``--kv-cache-format``; a server each).  The
+perplexity of every window's tokens after its first, against transformers'
+(float32 weights, float64 ``log_softmax``) on the same windows: the
+relative difference, and each encoding's against float32 KV's.
+
+``choices``: a chat question behind the ~600-token system prompt of
+``benchmarks/serve.py``, sampled (temperature 1, seeded), ``--max-tokens``
+new tokens (EOS ignored), three ways, alternating ``--repeats`` times with
+the prefix cache reset before each:
+
+- ``n=8``: one request asking for 8 choices (maxkv forks one computed prompt);
+- ``8 requests, shared prefix``: the same 8 as separate requests at once (prefix
+  caching shares the prompt's full pages between them);
+- ``8 requests, no sharing``: the same, each with a ``cache_salt`` of its own
+  (what a server without prefix caching does: 8 prompts computed).
+
+Per way: wall time, output tokens/s (median of the repeats), prompt tokens
+computed (the prompt tokens minus the cached ones, from ``usage``), and the KV
+pages held once the 8th sequence has started (from ``MAXKV_EVENT_LOG``)
+against one request's pages at the end of its prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from maxkv_bench.report import machine_info
+from serve import LONG_DOCUMENT_PATH, SYSTEM_PROMPT, model_directory, server
+
+PAGE = 16
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def server_args(args: argparse.Namespace, flags: list[str], env: list[str]) -> argparse.Namespace:
+    return argparse.Namespace(
+        max_length=args.max_length,
+        server_args=["--kv-cache-page-size", str(PAGE), *flags],
+        maxkv_env=env,
+        server_timeout=1800.0,
+        api="chat",
+    )
+
+
+# ------------------------------------------------------------------ perplexity
+
+
+def windows(model_dir: Path, count: int, size: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer(LONG_DOCUMENT_PATH.read_text()).input_ids
+    if len(ids) < count * size:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {count} x {size}")
+    return [ids[i * size : (i + 1) * size] for i in range(count)]
+
+
+def transformers_nll(model_dir: Path, pieces: list[list[int]]) -> list[float]:
+    """Per window, the negative log-likelihood of its tokens after the first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for ids in pieces:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)
+        out.append(float(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum()))
+    return out
+
+
+def served_nll(url: str, model: str, pieces: list[list[int]]) -> tuple[list[float], float]:
+    """Per window, the negative log-likelihood through ``echo``; and the wall time."""
+    started = time.perf_counter()
+    nll = []
+    for ids in pieces:
+        answer = post(
+            url,
+            "/v1/completions",
+            {"model": model, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0},
+        )
+        values = answer["choices"][0]["logprobs"]["token_logprobs"]
+        assert values[0] is None and len(values) == len(ids), len(values)
+        nll.append(-float(sum(values[1:])))
+    return nll, time.perf_counter() - started
+
+
+def perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
+    pieces = windows(model_dir, args.windows, args.window)
+    tokens = sum(len(p) - 1 for p in pieces)
+    reference = math.exp(sum(transformers_nll(model_dir, pieces)) / tokens)
+    print(f"transformers: perplexity {reference:.4f} over {tokens} tokens", flush=True)
+    runs: dict[str, Any] = {}
+    for encoding in args.encodings.split(","):
+        flags = ["--max-batch-size", "4", "--kv-cache-format", encoding]
+        with server(
+            "maxkv", model_dir, 4, server_args(args, flags, []), work / f"{encoding}.log"
+        ) as url:
+            nll, elapsed = served_nll(url, str(model_dir), pieces)
+        value = math.exp(sum(nll) / tokens)
+        runs[encoding] = {"perplexity": value, "seconds": elapsed}
+        print(f"maxkv {encoding}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
+    base = runs.get("float32", {}).get("perplexity")
+    for run in runs.values():
+        run["relative_to_transformers"] = run["perplexity"] / reference - 1
+        if base is not None:
+            run["relative_to_float32_kv"] = run["perplexity"] / base - 1
+    return {
+        "text": str(LONG_DOCUMENT_PATH),
+        "windows": args.windows,
+        "window_tokens": args.window,
+        "scored_tokens": tokens,
+        "transformers_perplexity": reference,
+        "maxkv": runs,
+    }
+
+
+# ------------------------------------------------------------------ choices
+
+
+QUESTION = "Which tent would you suggest for a family of four, and why?"
+
+
+def messages() -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}]
+
+
+def one_way(url: str, model: str, way: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": messages(),
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    started = time.perf_counter()
+    if way == "n=8":
+        answers = [post(url, "/v1/chat/completions", {**body, "n": 8, "seed": seed})]
+    else:
+
+        def send(j: int) -> dict[str, Any]:
+            extra: dict[str, Any] = {"seed": seed + j}
+            if way == "8 requests, no sharing":
+                extra["cache_salt"] = f"user-{seed}-{j}"
+            return post(url, "/v1/chat/completions", {**body, **extra})
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(send, range(8)))
+    elapsed = time.perf_counter() - started
+    output = sum(a["usage"]["completion_tokens"] for a in answers)
+    prompt = [a["usage"]["prompt_tokens"] for a in answers]
+    cached = [
+        (a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for a in answers
+    ]
+    choices = [c for a in answers for c in a["choices"]]
+    return {
+        "seconds": elapsed,
+        "output_tokens": output,
+        "tokens_per_s": output / elapsed,
+        "prompt_tokens": prompt[0],
+        "prompt_tokens_computed": sum(p - c for p, c in zip(prompt, cached, strict=True))
+        if way != "n=8"
+        else prompt[0] - cached[0],
+        "distinct_texts": len({c["message"]["content"] for c in choices}),
+        "choices": len(choices),
+    }
+
+
+def pages_at_start(events: Path, start: int) -> int | None:
+    """Pages held once the 8th sequence started, from the adapter's event log."""
+    if not events.exists():
+        return None
+    with events.open() as log:
+        log.seek(start)
+        allocs = [json.loads(line) for line in log if '"alloc"' in line]
+    if len(allocs) < 8:
+        return None
+    eighth = allocs[7]
+    return int(eighth["total"]) - int(eighth["free"])
+
+
+def choices(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
+    ways = ("n=8", "8 requests, shared prefix", "8 requests, no sharing")
+    events = work / "events.jsonl"
+    flags = ["--max-batch-size", "8", "--enable-prefix-caching"]
+    env = [f"MAXKV_EVENT_LOG={events}"]
+    results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
+    cargs = server_args(args, flags, env)
+    os.environ["MAX_SERVE_USE_CLIENT_CACHE_SALT"] = "1"  # (the server's environment)
+    with server("maxkv", model_dir, 8, cargs, work / "choices.log") as url:
+        model = str(model_dir)
+        one_way(url, model, "n=8", args, 0)  # warm-up
+        for repeat in range(args.repeats):
+            for way in ways:
+                reset = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+                with urllib.request.urlopen(reset, timeout=60):
+                    pass
+                start = events.stat().st_size if events.exists() else 0
+                run = one_way(url, model, way, args, 100 * (repeat + 1))
+                run["pages_held_at_8th_start"] = pages_at_start(events, start)
+                results[way].append(run)
+                print(f"{way}: {run['tokens_per_s']:.1f} tok/s, {run['seconds']:.2f} s, "
+                      f"computed {run['prompt_tokens_computed']} prompt tokens, pages "
+                      f"{run['pages_held_at_8th_start']}", flush=True)  # fmt: skip
+    prompt = results["n=8"][0]["prompt_tokens"]
+    one = math.ceil(prompt / PAGE)
+    summary = {}
+    for way, runs in results.items():
+        held = [r["pages_held_at_8th_start"] for r in runs if r["pages_held_at_8th_start"]]
+        summary[way] = {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs),
+            "seconds_median": statistics.median(r["seconds"] for r in runs),
+            "prompt_tokens_computed": runs[0]["prompt_tokens_computed"],
+            "pages_held_at_8th_start": held[0] if held else None,
+            "kv_vs_one_request": held[0] / one if held else None,
+            "distinct_texts": [r["distinct_texts"] for r in runs],
+        }
+    base = summary["n=8"]["tokens_per_s_median"]
+    for way in ways[1:]:
+        summary[way]["n8_speedup"] = base / summary[way]["tokens_per_s_median"]
+    return {
+        "prompt_tokens": prompt,
+        "one_request_pages_at_prompt_end": one,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "summary": summary,
+        "runs": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--parts", default="perplexity,choices")
+    parser.add_argument("--encodings", default="float32,int8,float8_e4m3fn")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    model_dir = model_directory(args.model)
+    out: dict[str, Any] = {
+        "command": "python benchmarks/openai_surface.py " + " ".join(argv or sys.argv[1:]),
+        "machine": machine_info("cpu"),
+        "model": args.model,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        parts = args.parts.split(",")
+        if "perplexity" in parts:
+            out["perplexity"] = perplexity(args, model_dir, work)
+        if "choices" in parts:
+            out["choices"] = choices(args, model_dir, work)
+    print(json.dumps(out, indent=1, default=str)[:6000])
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
