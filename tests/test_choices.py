@@ -271,11 +271,14 @@ def test_greedy_choices_are_identical_and_transformers_text(
     )
     assert status == 200, one
     assert [c["text"] for c in one["choices"]] == [expected]
-    events = [e for e in read_events(server.events, start) if e["event"] == "alloc"]
     prompt = len(encode(model_dir, LONG))
-    cached = sorted(e["cached_prefix"] for e in events)
-    assert cached[1:] == [prompt - 1] * 3, cached
-    frees = [e["free"] for e in events][1:]  # each fork takes one page (a copy of the last)
+    forks = [
+        e
+        for e in read_events(server.events, start)
+        if e["event"] == "alloc" and e["request"] in {f"{answer['id']}-{j}_0" for j in (1, 2, 3)}
+    ]
+    assert [e["cached_prefix"] for e in forks] == [prompt - 1] * 3, forks
+    frees = [e["free"] for e in forks]  # each fork takes one page (a copy of the last)
     assert all(a - b == 1 for a, b in itertools.pairwise(frees)), frees
     usage = answer["usage"]
     assert usage["prompt_tokens"] == prompt
