@@ -49,6 +49,9 @@ def test_plan_leaves_plain_requests_to_max() -> None:
     assert [b["seed"] for b in bodies] == [9, 10, 11]
     assert all("n" not in b and "best_of" not in b for b in bodies)
     assert all(b["logprobs"] == 1 for b in bodies)  # ranked by their log probabilities
+    zero = plan_choices({"prompt": "a", "n": 2, "seed": 0}, chat=False)
+    assert zero is not None  # (MAX draws a random seed for 0)
+    assert [zero.body({"prompt": "a", "seed": 0}, j)["seed"] for j in (0, 1)] == [2**63 - 1, 1]
 
 
 @pytest.mark.unit
@@ -121,6 +124,55 @@ def test_best_of_keeps_the_highest_cumulative_log_probabilities() -> None:
     assert merged["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
 
 
+@pytest.mark.unit
+def test_best_of_with_echo_ranks_by_the_generated_tokens_only() -> None:
+    """With ``echo`` and no ``logprobs`` asked, the ranking still reads the choices'
+    log probabilities (asked for it: the prompt's are not computed); the answer has
+    none, and its text starts with the prompt."""
+    from maxkv.serving.pipelines.choices import merge_completions, plan_choices
+
+    body = {"prompt": "ab", "n": 1, "best_of": 2, "echo": True, "max_tokens": 1}
+    plan = plan_choices(body, chat=False)
+    assert plan is not None
+    assert [plan.body(body, j)["logprobs"] for j in (0, 1)] == [1, 1]
+
+    def answer(j: int, values: list[float]) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": f"c{j}",
+            "prompt_token_ids": [10, 11],
+            "token_ids": [20 + j],
+            "logprobs": {"token_logprobs": values, "top_logprobs": [{}] * len(values)},
+        }
+        return {"id": "x", "choices": [choice], "usage": {"prompt_tokens": 2}}
+
+    class Tokenizer:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(ord("a") + i - 10) for i in ids)
+
+    assert [plan.body(body, j)["echo"] for j in (0, 1)] == [False, False]
+    merged = merge_completions([answer(0, [-1.0]), answer(1, [-0.5])], body, plan, Tokenizer())
+    (choice,) = merged["choices"]
+    assert choice["text"] == "abc1" and choice["logprobs"] is None
+
+
+@pytest.mark.unit
+def test_a_preempted_echo_request_is_not_scored_again() -> None:
+    from types import SimpleNamespace
+
+    from maxkv.serving.pipelines.context import wants_prompt_logprobs
+
+    def ctx(prompt: int, processed: int, echo: int | None) -> SimpleNamespace:
+        tokens = SimpleNamespace(prompt_length=prompt, processed_length=processed)
+        return SimpleNamespace(tokens=tokens, echo_prompt_length=echo)
+
+    assert wants_prompt_logprobs(ctx(10, 0, 10))
+    assert wants_prompt_logprobs(ctx(10, 4, 10))  # between chunks
+    assert not wants_prompt_logprobs(ctx(10, 10, 10))  # decoding
+    assert not wants_prompt_logprobs(ctx(13, 0, 10))  # preempted after 3 tokens
+    assert not wants_prompt_logprobs(ctx(10, 0, None))  # no echo
+
+
 # ------------------------------------------------------------------ server
 
 
@@ -185,7 +237,7 @@ def pages_back(server: Server, start: int) -> None:
 
 
 SHORT = "Hello, world. "
-LONG = "The quick brown fox jumps over the lazy dog. " * 3  # 136 tokens: 5 chunks of 32
+LONG = "The quick brown fox jumps over the lazy dog. " * 3  # 135 tokens: 5 chunks of 32
 
 
 @pytest.mark.serve

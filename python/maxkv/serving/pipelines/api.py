@@ -297,9 +297,14 @@ class MaxkvTextTokenizer(TextTokenizer):
             starts = blend_starts_var.get()
         finally:
             blend_starts_var.reset(reset)
+        fields: dict[str, Any] = {}
         fork_of = fork_source(str(request.request_id))
         if fork_of is not None:
-            context = maxkv_context(context, fork_of=fork_of)
+            fields["fork_of"] = fork_of
+        if getattr(request, "echo", False) and getattr(request, "logprobs", 0):
+            fields["echo_prompt_length"] = int(context.tokens.prompt_length)
+        if fields:
+            context = maxkv_context(context, **fields)
         if starts is not None:
             return with_blend_starts(context, starts)
         return context

@@ -68,6 +68,8 @@ __all__ = [
 
 Route = Callable[[Request], Awaitable[Any]]
 
+#: The seed of a choice whose ``seed + j`` is 0 (MAX draws a random one for 0).
+ZERO_SEED = 2**63 - 1
 #: How long a choice waits for choice 0's request to be sent to the worker, in
 #: seconds (then it is sent anyway, and computes its prompt if it arrives first).
 FIRST_WAIT_S = 10.0
@@ -160,8 +162,9 @@ class ChoicePlan:
         """The body choice ``j`` runs through MAX's route."""
         one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
         seed = body.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool) and j:
-            one["seed"] = (seed + j) % 2**63
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            # (MAX draws a random seed for 0)
+            one["seed"] = (seed + j) % 2**63 or ZERO_SEED
         if self.best_of > self.n:  # the choices are ranked by their log probability
             if "messages" in body:
                 one["logprobs"] = True
@@ -171,7 +174,8 @@ class ChoicePlan:
                 one["logprobs"] = 1
         if self.echo:  # choice 0's prompt log probabilities serve every choice
             one["echo"] = bool(self.logprobs) and j == 0
-            one["return_token_ids"] = True
+            if not self.stream:  # (the prompt's and the choice's tokens, to lay them out)
+                one["return_token_ids"] = True
         if self.max_tokens_zero:
             one["max_tokens"] = 1
         return one
@@ -249,9 +253,12 @@ async def _run_choices(
     tasks = [asyncio.ensure_future(one(j, b)) for j, b in enumerate(bodies)]
     try:
         answers = await asyncio.gather(*tasks)
-    except BaseException:
+    except BaseException:  # a choice failed, or the client left: end every choice
         for task in tasks:
             task.cancel()
+        for answer in await asyncio.gather(*tasks, return_exceptions=True):
+            if not isinstance(answer, BaseException):
+                await _close(answer)
         raise
     for answer in answers:
         if isinstance(answer, Response) and not isinstance(answer, EventSourceResponse):
@@ -347,8 +354,6 @@ def _echoed(
             "text_offset": offsets,
         }
         choice["_prompt_entries"] = len(prompt_ids)
-    elif not plan.logprobs:
-        choice["logprobs"] = None
     return choice
 
 
@@ -442,6 +447,8 @@ async def _merged_stream(
         try:
             async for item in stream.body_iterator:
                 await queue.put((j, item))
+        except Exception as error:  # (cancellation ends the pump silently)
+            await queue.put((j, error))
         finally:
             await queue.put((j, done))
 
@@ -455,6 +462,9 @@ async def _merged_stream(
             if item is done:
                 running -= 1
                 continue
+            if isinstance(item, Exception):  # a choice's stream failed after its 200
+                yield json.dumps({"error": {"message": f"choice {j}: {item}", "code": 500}})
+                return
             payload = item if isinstance(item, str) else getattr(item, "data", item)
             if not isinstance(payload, str) or payload == "[DONE]":
                 continue
@@ -484,9 +494,10 @@ async def _merged_stream(
             final["usage"] = _usage(answers, 1)
             yield json.dumps(final)
         yield "[DONE]"
-    finally:
+    finally:  # (the client left, or every stream ended): stop the pumps, then the streams
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await _close(stream)
 

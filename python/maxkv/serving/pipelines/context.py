@@ -31,6 +31,11 @@ class MaxkvTextContext(TextContext):
     """Several choices (``n``, ``best_of``): the request id of the choice whose
     prompt this one shares, whose sequence it forks once that prompt is in the
     cache; ``None`` for a request's first choice and single requests."""
+    echo_prompt_length: int | None = field(default=None)
+    """``echo`` with ``logprobs``: the prompt's length, whose tokens' log
+    probabilities are computed (a request preempted after its first token
+    starts again with its generated tokens in its "prompt": their log
+    probabilities were answered already); ``None`` for other requests."""
 
 
 def maxkv_context(context: TextContext, **fields: Any) -> MaxkvTextContext:
@@ -42,11 +47,13 @@ def maxkv_context(context: TextContext, **fields: Any) -> MaxkvTextContext:
 
 def wants_prompt_logprobs(context: Any) -> bool:
     """Whether the step computes log probabilities of ``context``'s prompt tokens:
-    a request with ``echo`` and ``logprobs`` whose prompt is not all processed.
+    a request with ``echo`` and ``logprobs`` (:attr:`MaxkvTextContext.
+    echo_prompt_length`) whose prompt is not all processed.
     Its prompt is then computed whole (never taken from the prefix cache, a
     fork or CacheBlend), and the model's head reads every prompt row."""
-    return bool(
-        getattr(context, "log_probabilities_echo", False)
-        and getattr(context, "log_probabilities", 0)
-        and context.tokens.processed_length < context.tokens.prompt_length
+    length = getattr(context, "echo_prompt_length", None)
+    return (
+        length is not None
+        and context.tokens.prompt_length == length
+        and context.tokens.processed_length < length
     )

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 from max.pipelines.context import LogProbabilities
 
-__all__ = ["PromptLogProbabilities", "PromptRows", "token_log_probabilities"]
+__all__ = ["PromptLogProbabilities", "PromptRows", "joined", "token_log_probabilities"]
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,40 @@ class PromptRows:
         return self.targets.size < self.rows
 
 
+#: Rows whose log-softmax is computed at once (bounds the host memory it takes).
+ROWS_AT_ONCE = 256
+
+
 def token_log_probabilities(
     logits: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], top_n: int
 ) -> LogProbabilities:
     """Per row of ``logits`` (float32 ``[rows, vocab]``), the log probability of its
     ``targets`` entry (int ``[rows]``) and the ``top_n`` most likely tokens (the
     target among them, as MAX's log-probability graph answers: added when it is
-    not one of them); ``log_softmax`` accumulated in float64."""
+    not one of them); ``log_softmax`` accumulated in float64, :data:`ROWS_AT_ONCE`
+    rows at a time."""
+    return joined(
+        [
+            _block_log_probabilities(
+                logits[i : i + ROWS_AT_ONCE], targets[i : i + ROWS_AT_ONCE], top_n
+            )
+            for i in range(0, len(targets), ROWS_AT_ONCE)
+        ]
+    )
+
+
+def joined(parts: list[LogProbabilities]) -> LogProbabilities:
+    """``parts`` (of consecutive tokens) as one."""
+    return LogProbabilities(
+        token_log_probabilities=[v for p in parts for v in p.token_log_probabilities],
+        top_log_probabilities=[v for p in parts for v in p.top_log_probabilities],
+        sampled_token_ids=[v for p in parts for v in p.sampled_token_ids],
+    )
+
+
+def _block_log_probabilities(
+    logits: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], top_n: int
+) -> LogProbabilities:
     rows = np.asarray(logits, dtype=np.float32)
     peak = rows.max(axis=1, keepdims=True)
     log_sum = np.log(np.exp(rows - peak).sum(axis=1, dtype=np.float64)) + peak[:, 0]
@@ -131,11 +158,7 @@ class PromptLogProbabilities:
             if not item.final:
                 self._kept[item.request_id] = (position + item.rows, kept)
                 return None
-        return LogProbabilities(
-            token_log_probabilities=[v for p in kept for v in p.token_log_probabilities],
-            top_log_probabilities=[v for p in kept for v in p.top_log_probabilities],
-            sampled_token_ids=[v for p in kept for v in p.sampled_token_ids],
-        )
+        return joined(kept)
 
     def forget(self, request_id: object) -> None:
         """Drops what is kept of a request that ended (cancelled, preempted)."""
