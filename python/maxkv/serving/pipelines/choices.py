@@ -55,7 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ... import seams, settings
-from .render import with_body
+from .render import prompts_of, with_body
 
 __all__ = [
     "ChoicePlan",
@@ -357,14 +357,6 @@ def _echoed(
     return choice
 
 
-def _prompts(body: dict[str, Any]) -> list[Any]:
-    """A completions body's prompts one by one (a list of token ids is one prompt)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-        return list(prompt)
-    return [prompt]
-
-
 def _usage(answers: list[dict[str, Any]], chosen: int) -> dict[str, Any] | None:
     """Usage of a request whose choices are ``answers``: prompt and cached tokens
     once (choice 0's), completion tokens summed over the ``chosen`` answers'
@@ -385,7 +377,7 @@ def merge_completions(
     answers: list[dict[str, Any]], body: dict[str, Any], plan: ChoicePlan, tokenizer: Any
 ) -> dict[str, Any]:
     """One completions answer of the choices' ``answers`` (choice ``j``'s at ``j``)."""
-    prompts = _prompts(body)
+    prompts = prompts_of(body)
     merged = dict(answers[0])
     choices = []
     for i, prompt in enumerate(prompts):
@@ -530,7 +522,7 @@ def choices_route(route: Route, chat: bool) -> Route:
             prompt_text = None
             tokenizer = getattr(getattr(request.app.state, "pipeline", None), "tokenizer", None)
             if plan.echo:
-                (prompt,) = _prompts(body)  # (a stream takes one prompt: MAX's route checked)
+                (prompt,) = prompts_of(body)  # (a stream takes one prompt: MAX's route checked)
                 prompt_text = prompt if isinstance(prompt, str) else _decoded(tokenizer, prompt)
             stream = _merged_stream(answers, include_usage, prompt_text, answer_id)
             return EventSourceResponse(stream, ping=100000, sep="\n")

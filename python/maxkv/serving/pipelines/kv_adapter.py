@@ -143,7 +143,6 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
         self._ids: dict[str, Any] = {}
         #: Claimed requests' prompts (a choice forks one only with its own prompt).
         self._prompts: dict[Any, np.ndarray] = {}
-
         self._metrics = KVCacheMetrics()
         self._event_log = settings.EVENT_LOG.read()
 

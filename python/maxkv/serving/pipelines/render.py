@@ -31,7 +31,7 @@ from starlette.types import Message
 
 from ... import seams
 
-__all__ = ["Rendered", "add_render_routes", "render_var", "with_body"]
+__all__ = ["Rendered", "add_render_routes", "prompts_of", "render_var", "with_body"]
 
 #: Set while a render route runs MAX's route: the tokenizer answers with the
 #: prompt's tokens (:class:`Rendered`) instead of a context.
@@ -90,7 +90,7 @@ async def _tokens(route: Route, request: Request, body: bytes) -> list[int] | An
         render_var.reset(reset)
 
 
-def _prompts(body: Any) -> list[Any]:
+def prompts_of(body: Any) -> list[Any]:
     """A completions body's prompts one by one (a list of token ids is one prompt)."""
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
@@ -109,7 +109,7 @@ async def render_completion(request: Request) -> Any:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # MAX's route answers it (a 400)
         body = None
-    prompts = _prompts(body)
+    prompts = prompts_of(body)
     if len(prompts) == 1 or not isinstance(body, dict) or body.get("stream"):
         bodies = [raw]  # (a stream of several prompts: the route's own 400)
     else:
