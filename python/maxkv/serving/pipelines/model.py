@@ -410,14 +410,11 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             input_row_offsets=Buffer.from_numpy(offsets).to(device),
             kv_cache_inputs=kv_cache_inputs,
         )
-        if self.decoder.head_rows != "given":
-            if any(drafts):
-                raise ValueError("drafts need a model whose head reads given rows")
-            return inputs
         rows: list[np.ndarray] = []
         first, sample = [], []
         count = 0
-        for ctx, draft, end in zip(batch, drafts, offsets[1:].astype(np.int64), strict=True):
+        ends = offsets[1:].astype(np.int64)
+        for item, (ctx, draft, end) in enumerate(zip(batch, drafts, ends, strict=True)):
             if wants_prompt_logprobs(ctx):  # every row of the step
                 if draft:
                     raise ValueError("a request computing its prompt's log probabilities drafts")
@@ -427,6 +424,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 inputs.prompt_rows.append(
                     PromptRows(
                         request_id=ctx.request_id,
+                        item=item,
                         start=count,
                         position=start,
                         rows=n,
@@ -461,9 +459,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             return ModelOutputs(logits=empty, next_token_logits=empty)
         (kv,) = model_inputs.kv_cache_inputs
         tokens, offsets = model_inputs.tokens, model_inputs.input_row_offsets
-        if model_inputs.head_rows is None:
-            logits = self.decoder.execute(tokens, offsets, kv)
-            return ModelOutputs(logits=logits, next_token_logits=logits)
+        assert model_inputs.head_rows is not None
         logits = self.decoder.execute(tokens, offsets, kv, model_inputs.head_rows)
         sample = model_inputs.sample_rows
         assert sample is not None
@@ -500,12 +496,9 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             return computed
         rows = host_array(model_outputs.logits)
         sampled = next_tokens.to_numpy().reshape(-1)
-        assert model_inputs.first_rows is not None
-        item_of = {int(start): i for i, start in enumerate(model_inputs.first_rows)}
         for prompt in model_inputs.prompt_rows:
-            i = item_of[prompt.start]
-            computed[i] = self.prompt_logprobs.add(
-                prompt, rows[prompt.start : prompt.start + prompt.rows], int(sampled[i])
+            computed[prompt.item] = self.prompt_logprobs.add(
+                prompt, rows[prompt.start : prompt.start + prompt.rows], int(sampled[prompt.item])
             )
         return computed
 

@@ -41,6 +41,8 @@ class PromptRows:
 
     request_id: object
     """The request (MAX's ``RequestID``)."""
+    item: int
+    """Its index in the step's batch."""
     start: int
     """Its first row among the step's head rows."""
     position: int
