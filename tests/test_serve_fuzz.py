@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -145,6 +146,34 @@ def test_no_request_takes_the_server_down(fuzz_server: tuple[Server, int]) -> No
     assert logged[-1]["event"] == "release" and logged[-1]["free"] == logged[-1]["total"]
 
 
+def test_a_refused_prompt_stops_the_requests_other_prompts(
+    fuzz_server: tuple[Server, int],
+) -> None:
+    """A request whose last prompt is refused (too long: known once tokenized, after
+    the others went to the worker) is answered 400, and the others stop there
+    (found by the run above: they ran on to ``--max-length`` after the answer,
+    holding their pages into the requests that followed)."""
+    server, _ = fuzz_server
+    start = server.events.stat().st_size if server.events.exists() else 0
+    # The last prompt: 5000 tokens, past --max-length (256); refused once tokenized.
+    prompts = ["The quick brown fox", "hello world", "word " * 1000]
+    status, answer = complete(server, prompts, max_tokens=200, ignore_eos=True)  # type: ignore[arg-type]
+    assert status == 400 and "exceeds" in json.dumps(answer), answer
+    deadline = time.monotonic() + 20
+    while True:  # (the answer can come before the worker logs the others' start)
+        logged = settled_events(server, start)
+        started = [e for e in logged if e["event"] == "alloc"]
+        released = [e for e in logged if e["event"] == "release"]
+        if len(started) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert started, f"the other prompts never reached the worker: nothing was checked {logged}"
+    assert len(released) == len(started), logged
+    # Each stopped within a few batches of the answer, not after its 200 tokens.
+    assert all(e["tokens"] < 100 for e in released), released
+    assert released[-1]["free"] == released[-1]["total"], released
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -158,6 +187,7 @@ def test_no_request_takes_the_server_down(fuzz_server: tuple[Server, int]) -> No
         ({"prompt": "hi", "stop_token_ids": [2**64]}, "64-bit"),
         ({"prompt": "hi", "stop_token_ids": [500]}, "`stop_token_ids`"),
         ({"prompt": "hi", "seed": 2**70}, "64-bit"),
+        ({"prompt": "hi", "seed": 2**64, "n": 2}, "64-bit"),  # (not wrapped per choice)
         ({"prompt": "hi", "n": 17}, "MAXKV_MAX_CHOICES"),
         ({"prompt": "hi", "n": 3, "best_of": 2}, "`best_of`=2"),
         ({"prompt": "hi", "max_tokens": 0}, "without `echo`"),

@@ -145,6 +145,11 @@ CHAT_ROUTE = Seam(
     "max.serve.router.openai_routes", "openai_create_chat_completion", "wrapped",
     "render.add_render_routes runs it up to the prompt's tokens",
 )  # fmt: skip
+#: The model worker's scheduler drains its cancels after each batch with this name.
+CANCELLED_REQUESTS = Seam(
+    "max.serve.scheduler.text_generation_scheduler", "get_cancelled_reqs", "wrapped",
+    "cancels.remember_cancels applies a cancel that overtakes its request",
+)  # fmt: skip
 #: ``--kv-cache-format`` values MAX's config accepts: maxkv adds its own encodings.
 KV_CACHE_FORMATS = Seam(
     "max.pipelines.kv_cache.config", "_KV_CACHE_FORMAT_TO_DTYPE", "extended",
@@ -178,6 +183,7 @@ SEAMS: tuple[Seam, ...] = (
     OPENAI_ROUTER,
     COMPLETION_ROUTE,
     CHAT_ROUTE,
+    CANCELLED_REQUESTS,
     KV_CACHE_FORMATS,
     PREFIX_CACHE_HITS,
     OPAQUE_TYPE,

@@ -194,7 +194,7 @@ CACHE_DIR: Setting[str | None] = Setting(
 EVENT_LOG: Setting[str | None] = Setting(
     "MAXKV_EVENT_LOG", None, _optional_text, "a file",
     "one JSON line per request started and released in MAX's pipelines, with the "
-    "cache's free pages (or slots)",
+    "cache's free pages (or slots) and the request's tokens",
     "process",
 )  # fmt: skip
 GREEDY_HEAD: Setting[bool] = Setting(

@@ -28,6 +28,7 @@ check_max_version()
 
 from .api import refuse_unsupported_requests  # noqa: E402
 from .architecture import ARCHITECTURES, MaxkvTextGenerationPipeline  # noqa: E402
+from .cancels import remember_cancels  # noqa: E402
 from .choices import wrap_choice_routes  # noqa: E402
 from .kv_adapter import MaxkvKVManager  # noqa: E402
 from .model import (  # noqa: E402
@@ -42,6 +43,7 @@ from .render import add_render_routes  # noqa: E402
 refuse_unsupported_requests()
 add_render_routes()
 wrap_choice_routes()
+remember_cancels()
 
 #: The value of ``--custom-architectures`` for this installation of maxkv:
 #: ``<folder holding the maxkv package>:maxkv.pipelines`` (the entry point that

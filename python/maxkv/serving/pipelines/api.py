@@ -57,6 +57,7 @@ from .blending import (
     split_prompt,
     with_blend_starts,
 )
+from .cancels import track_prompt
 from .choices import choice_order, fork_source
 from .context import maxkv_context
 from .render import Rendered, render_var
@@ -288,6 +289,7 @@ class MaxkvTextTokenizer(TextTokenizer):
         return "".join(pieces), ids
 
     async def new_context(self, request: Any) -> Any:
+        track_prompt()  # (cancelled if its HTTP request ends first: module cancels)
         if request.sampling_params is not None:
             check_sampling(request.sampling_params, self.vocab_limit)
         reset = blend_starts_var.set(None)

@@ -29,6 +29,9 @@ request that asks for none of this goes to MAX's route untouched.  Otherwise:
    choices' chunks as they come, each with its index, then one usage chunk
    (``stream_options.include_usage``) and one ``[DONE]``.
 
+Where one choice fails, the request is answered with its error and the others
+are cancelled (:mod:`~maxkv.serving.pipelines.cancels`).
+
 ``echo`` (completions): the answer's text starts with the prompt (the string
 given, or the prompt's tokens decoded); with ``logprobs``, its
 ``token_logprobs``, ``top_logprobs``, ``tokens`` and ``text_offset`` cover
@@ -51,10 +54,11 @@ from typing import Any
 
 from fastapi import HTTPException
 from sse_starlette.sse import EventSourceResponse
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ... import seams, settings
+from .cancels import prompts_end_with_request
 from .render import prompts_of, with_body
 
 __all__ = [
@@ -162,9 +166,10 @@ class ChoicePlan:
         """The body choice ``j`` runs through MAX's route."""
         one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
         seed = body.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            # (MAX draws a random seed for 0)
-            one["seed"] = (seed + j) % 2**63 or ZERO_SEED
+        if isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 2**63:
+            # (MAX draws a random seed for 0; one outside int64 is left for its 400)
+            value = seed + j
+            one["seed"] = (value - 2**63 + 1 if value >= 2**63 else value) or ZERO_SEED
         if self.best_of > self.n:  # the choices are ranked by their log probability
             if "messages" in body:
                 one["logprobs"] = True
@@ -499,10 +504,19 @@ async def _merged_stream(
 
 def choices_route(route: Route, chat: bool) -> Route:
     """MAX's ``route`` (completions, or chat with ``chat``) answering several choices
-    and the echoed prompt (module docs); other requests go to ``route`` as they are."""
+    and the echoed prompt (module docs); other requests go to ``route`` as they are.
+    Every request's prompts and choices end with it
+    (:func:`~maxkv.serving.pipelines.cancels.prompts_end_with_request`)."""
 
     async def endpoint(request: Request) -> Any:
-        raw = await request.body()
+        async with prompts_end_with_request():
+            return await answer(request)
+
+    async def answer(request: Request) -> Any:
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # an upload cut short: nobody reads the answer
+            raise _error("the client left before sending the whole body") from None
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):  # MAX's route answers it (a 400)

@@ -59,7 +59,8 @@ other than 0 is refused.
 
 Set ``MAXKV_EVENT_LOG=FILE`` to append one JSON line per ``alloc`` that
 starts a sequence and per ``release``, with the cache's free units (pages or
-slots) after it: a way to see cache use inside ``max serve``'s model worker.
+slots) after it and the request's tokens (prompt and generated): a way to see
+cache use inside ``max serve``'s model worker.
 """
 
 from __future__ import annotations
@@ -526,6 +527,7 @@ class MaxkvKVManager(PagedKVCacheManagerInterface):
                 "free": self.free_units,
                 "total": self.total_units,
                 "cached_prefix": ctx.cached_prefix_length if event == "alloc" else None,
+                "tokens": len(ctx.tokens),
                 "time": time.time(),
             }
             with open(self._event_log, "a") as log:
