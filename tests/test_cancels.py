@@ -13,52 +13,60 @@ import pytest
 pytestmark = pytest.mark.unit
 
 
-def test_cancels_are_remembered_for_their_time_then_forgotten() -> None:
+def test_cancels_are_remembered_until_their_request_comes() -> None:
     from maxkv.serving.pipelines.cancels import CancelMemory
 
-    now = [100.0]
-    memory = CancelMemory(seconds=10.0, clock=lambda: now[0])
-    assert memory(["a"]) == ["a"]
-    now[0] = 105.0
-    assert memory([]) == ["a"]  # a request that arrives after its cancel is still cancelled
-    assert memory(["b"]) == ["a", "b"]
-    now[0] = 110.0
-    assert memory([]) == ["b"]  # "a" is ten seconds old
-    assert memory(["b"]) == ["b"]  # received again: remembered from now on
-    now[0] = 119.0
-    assert memory([]) == ["b"]
-    now[0] = 120.0
-    assert memory([]) == []
+    memory = CancelMemory(size=3)
+    memory.remember(["a", "b"])
+    assert memory.take("a") and not memory.take("a")  # forgotten once its request came
+    assert not memory.take("z")
+    memory.remember(["c", "d", "e"])  # "b" is the oldest of four: pushed out
+    assert len(memory) == 3 and not memory.take("b")
+    assert [memory.take(r) for r in "cde"] == [True, True, True] and len(memory) == 0
 
 
 class _Queue:
     """MAX's pull queue interface (``get_nowait``, ``queue.Empty`` when empty)."""
 
-    def __init__(self, items: list[list[str]]) -> None:
+    def __init__(self, items: list[Any]) -> None:
         self.items = items
 
-    def get_nowait(self) -> list[str]:
+    def get_nowait(self) -> Any:
         if not self.items:
             raise queue.Empty
         return self.items.pop(0)
 
 
-def test_the_schedulers_cancel_drain_remembers_each_cancel() -> None:
+class _Context:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+def test_the_scheduler_drops_a_request_whose_cancel_came_first() -> None:
     from maxkv import seams
     from maxkv.serving.pipelines.cancels import remember_cancels
 
-    original = seams.CANCELLED_REQUESTS.resolve()
-    original = getattr(original, "__wrapped__", original)  # (maxkv.pipelines wraps it)
-    with seams.CANCELLED_REQUESTS.replaced(original):
-        assert original(_Queue([["x"]])) == ["x"]
-        assert original(_Queue([])) == []  # MAX's: a cancel is seen once
+    def original(seam: seams.Seam) -> Any:
+        name = seam.resolve()
+        return getattr(name, "__wrapped__", name)  # (maxkv.pipelines wraps them)
+
+    cancels, requests = original(seams.CANCELLED_REQUESTS), original(seams.PENDING_REQUESTS)
+    with (
+        seams.CANCELLED_REQUESTS.replaced(cancels),
+        seams.PENDING_REQUESTS.replaced(requests),
+    ):
         remember_cancels()
         remember_cancels()  # (once per process)
-        drain = seams.CANCELLED_REQUESTS.resolve()
-        assert getattr(drain, "__wrapped__", None) is original
-        assert drain(_Queue([["x"], ["y"]])) == ["x", "y"]
-        assert drain(_Queue([])) == ["x", "y"]  # and again next batch
-    assert seams.CANCELLED_REQUESTS.resolve() is not drain
+        drain_cancels = seams.CANCELLED_REQUESTS.resolve()
+        drain_requests = seams.PENDING_REQUESTS.resolve()
+        assert drain_cancels.__wrapped__ is cancels and drain_requests.__wrapped__ is requests
+        # A batch runs; "x" is cancelled before the worker has received it.
+        assert drain_cancels(_Queue([["x"], ["done"]])) == ["x", "done"]  # as MAX's
+        arrived = drain_requests(_Queue([_Context("y"), _Context("x"), _Context("z")]))
+        assert [c.request_id for c in arrived] == ["y", "z"]  # "x" never reaches the batch
+        arrived = drain_requests(_Queue([_Context("a"), _Context("b")]), max_items=1)
+        assert [c.request_id for c in arrived] == ["a"]
+    assert seams.CANCELLED_REQUESTS.resolve() is not drain_cancels
 
 
 async def _prompt(seconds: float, fail: bool, ended: list[str], name: str) -> str:
@@ -115,17 +123,22 @@ def test_a_streamed_answers_own_prompt_is_left_running() -> None:
     assert asyncio.run(main())
 
 
-def test_choice_seeds_stay_in_int64_and_leave_bad_ones_to_max() -> None:
-    from maxkv.serving.pipelines.choices import ZERO_SEED, plan_choices
+def test_choice_seeds_are_far_apart_in_int64_and_bad_ones_are_left_to_max() -> None:
+    from maxkv.serving.pipelines.choices import SEED_STRIDE, ZERO_SEED, choice_seed
 
-    body: dict[str, Any] = {"prompt": "a", "n": 3}
-    plan = plan_choices(body, chat=False)
-    assert plan is not None
+    # MAX draws a row's token with the key seed + its token count: choices 2^32 apart
+    # never share a key (seed + j would give choice j+1 choice j's next draw).
+    assert SEED_STRIDE == 2**32
     for seed, expected in [
-        (5, [5, 6, 7]),
-        (0, [ZERO_SEED, 1, 2]),  # (0 is MAX's "random")
-        (2**63 - 2, [2**63 - 2, 2**63 - 1, 1]),  # (int64 wraps past 0)
-        (-2, [-2, -1, ZERO_SEED]),
+        (5, [5, 5 + 2**32, 5 + 2**33]),
+        (0, [ZERO_SEED, 2**32, 2**33]),  # (0 is MAX's "random")
+        (2**63 - 1, [2**63 - 1, -(2**63) + 2**32 - 1, -(2**63) + 2**33 - 1]),  # int64 wraps
+        (-(2**32), [-(2**32), ZERO_SEED, 2**32]),
+        ("7", [7, 7 + 2**32, 7 + 2**33]),  # as MAX's schema reads them
+        (7.0, [7, 7 + 2**32, 7 + 2**33]),
         (2**64, [2**64] * 3),  # not a 64-bit integer: MAX's check answers 400
+        ("x", ["x"] * 3),  # (MAX's schema answers 400)
+        (7.5, [7.5] * 3),
     ]:
-        assert [plan.body({**body, "seed": seed}, j)["seed"] for j in range(3)] == expected
+        got = [choice_seed(seed, j) for j in range(3)]
+        assert got == expected, (seed, got)

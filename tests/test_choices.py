@@ -46,12 +46,12 @@ def test_plan_leaves_plain_requests_to_max() -> None:
     plan = plan_choices({"prompt": "a", "n": 2, "best_of": 3, "seed": 9}, chat=False)
     assert plan is not None and (plan.n, plan.best_of) == (2, 3)
     bodies = [plan.body({"prompt": "a", "n": 2, "best_of": 3, "seed": 9}, j) for j in range(3)]
-    assert [b["seed"] for b in bodies] == [9, 10, 11]
+    assert [b["seed"] for b in bodies] == [9, 9 + 2**32, 9 + 2**33]  # (never a shared draw)
     assert all("n" not in b and "best_of" not in b for b in bodies)
     assert all(b["logprobs"] == 1 for b in bodies)  # ranked by their log probabilities
     zero = plan_choices({"prompt": "a", "n": 2, "seed": 0}, chat=False)
     assert zero is not None  # (MAX draws a random seed for 0)
-    assert [zero.body({"prompt": "a", "seed": 0}, j)["seed"] for j in (0, 1)] == [2**63 - 1, 1]
+    assert [zero.body({"prompt": "a", "seed": 0}, j)["seed"] for j in (0, 1)] == [2**63 - 1, 2**32]
 
 
 @pytest.mark.unit

@@ -145,10 +145,15 @@ CHAT_ROUTE = Seam(
     "max.serve.router.openai_routes", "openai_create_chat_completion", "wrapped",
     "render.add_render_routes runs it up to the prompt's tokens",
 )  # fmt: skip
-#: The model worker's scheduler drains its cancels after each batch with this name.
+#: The model worker's scheduler drains its cancels after each batch with this name,
+#: and its request queue (before each batch) with the next.
 CANCELLED_REQUESTS = Seam(
     "max.serve.scheduler.text_generation_scheduler", "get_cancelled_reqs", "wrapped",
-    "cancels.remember_cancels applies a cancel that overtakes its request",
+    "cancels.remember_cancels remembers each cancel",
+)  # fmt: skip
+PENDING_REQUESTS = Seam(
+    "max.serve.scheduler.text_generation_scheduler", "drain_queue", "wrapped",
+    "cancels.remember_cancels drops a request whose cancel came before it",
 )  # fmt: skip
 #: ``--kv-cache-format`` values MAX's config accepts: maxkv adds its own encodings.
 KV_CACHE_FORMATS = Seam(
@@ -184,6 +189,7 @@ SEAMS: tuple[Seam, ...] = (
     COMPLETION_ROUTE,
     CHAT_ROUTE,
     CANCELLED_REQUESTS,
+    PENDING_REQUESTS,
     KV_CACHE_FORMATS,
     PREFIX_CACHE_HITS,
     OPAQUE_TYPE,

@@ -18,18 +18,17 @@ and the batch's compute, for nothing):
   the cancels that came in after each batch and drops one whose request it
   has not received yet: a request put on the request queue during the batch,
   and cancelled during it too, is then received next batch and run to the
-  end.  maxkv's scheduler remembers every cancel for
-  :data:`CANCEL_MEMORY_S` seconds (:func:`remember_cancels`), so the
-  request is released by the batch after the one that receives it.  Request
-  ids are made by the server (one UUID per HTTP request), never reused.
+  end.  maxkv's scheduler remembers the last :data:`REMEMBERED_CANCELS`
+  cancels and drops a request one of them names as it is received
+  (:func:`remember_cancels`), as MAX's one-shot scheduler does.  Request ids
+  are made by the server (one UUID per HTTP request), never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -37,16 +36,16 @@ from typing import Any
 from ... import seams
 
 __all__ = [
-    "CANCEL_MEMORY_S",
+    "REMEMBERED_CANCELS",
     "CancelMemory",
     "prompts_end_with_request",
     "remember_cancels",
     "track_prompt",
 ]
 
-#: How long the model worker remembers a cancel, in seconds: far longer than a
-#: request takes from the API server to the worker.
-CANCEL_MEMORY_S = 60.0
+#: How many cancels the model worker remembers (as MAX's one-shot scheduler does):
+#: far more than can be on their way at once.
+REMEMBERED_CANCELS = 1024
 
 #: The tasks that made a prompt's context for the HTTP request being answered.
 _prompt_tasks: ContextVar[set[asyncio.Task[Any]] | None] = ContextVar(
@@ -84,42 +83,57 @@ async def prompts_end_with_request() -> AsyncIterator[None]:
 
 
 class CancelMemory:
-    """The cancels a model worker received in the last ``seconds``.
+    """The last ``size`` cancels a model worker received, each until its request
+    arrives (one whose request had arrived is pushed out by newer ones).
 
     Args:
-        seconds: How long each cancel is remembered.
-        clock: Monotonic seconds (``time.monotonic``; tests pass their own).
+        size: How many cancels are kept.
     """
 
-    def __init__(
-        self, seconds: float = CANCEL_MEMORY_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.seconds = seconds
-        self.clock = clock
-        self._until: dict[Any, float] = {}
+    def __init__(self, size: int = REMEMBERED_CANCELS) -> None:
+        self.size = size
+        self._ids: dict[Any, None] = {}
 
-    def __call__(self, fresh: Iterable[Any]) -> list[Any]:
-        """Every cancel remembered now, ``fresh`` (just received) included, oldest first."""
-        now = self.clock()
-        for request_id in fresh:
-            self._until.pop(request_id, None)
-            self._until[request_id] = now + self.seconds
-        for request_id in [r for r, until in self._until.items() if until <= now]:
-            del self._until[request_id]
-        return list(self._until)
+    def remember(self, request_ids: Iterable[Any]) -> None:
+        """Keeps the cancels just received (the oldest go beyond ``size``)."""
+        for request_id in request_ids:
+            self._ids[request_id] = None
+        while len(self._ids) > self.size:
+            del self._ids[next(iter(self._ids))]
+
+    def take(self, request_id: Any) -> bool:
+        """Whether the request arriving now was cancelled (then forgets it)."""
+        if request_id not in self._ids:
+            return False
+        del self._ids[request_id]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def remember_cancels() -> None:
-    """Makes MAX's text-generation scheduler apply each cancel for
-    :data:`CANCEL_MEMORY_S` seconds instead of once (once per process)."""
-    drain = seams.CANCELLED_REQUESTS.resolve()
-    if getattr(drain, "_maxkv_remembers", False):
+    """Makes MAX's text-generation scheduler drop a request whose cancel came
+    before it (once per process): each cancel drained is remembered
+    (:class:`CancelMemory`), and a request drained from the request queue
+    that one names is dropped before it reaches the batch."""
+    drain_cancels = seams.CANCELLED_REQUESTS.resolve()
+    if getattr(drain_cancels, "_maxkv_remembers", False):
         return
+    drain_requests = seams.PENDING_REQUESTS.resolve()
     memory = CancelMemory()
 
-    @functools.wraps(drain)
+    @functools.wraps(drain_cancels)
     def cancelled_requests(cancel_queue: Any) -> list[Any]:
-        return memory(drain(cancel_queue))
+        cancelled: list[Any] = drain_cancels(cancel_queue)
+        memory.remember(cancelled)
+        return cancelled
+
+    @functools.wraps(drain_requests)
+    def pending_requests(request_queue: Any, max_items: int | None = None) -> list[Any]:
+        drained = drain_requests(request_queue, max_items=max_items)
+        return [c for c in drained if not memory.take(getattr(c, "request_id", None))]
 
     cancelled_requests._maxkv_remembers = True  # type: ignore[attr-defined]
     seams.CANCELLED_REQUESTS.replace(cancelled_requests)
+    seams.PENDING_REQUESTS.replace(pending_requests)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -64,6 +65,7 @@ from .render import prompts_of, with_body
 __all__ = [
     "ChoicePlan",
     "choice_order",
+    "choice_seed",
     "choice_var",
     "fork_source",
     "plan_choices",
@@ -74,6 +76,10 @@ Route = Callable[[Request], Awaitable[Any]]
 
 #: The seed of a choice whose ``seed + j`` is 0 (MAX draws a random one for 0).
 ZERO_SEED = 2**63 - 1
+#: Choice ``j`` samples with ``seed + j * SEED_STRIDE``: MAX keys a row's draw on
+#: its seed plus its token count, so choices this far apart never share a draw
+#: (as MAX's own batch ``generate`` spaces its rows).
+SEED_STRIDE = 2**32
 #: How long a choice waits for choice 0's request to be sent to the worker, in
 #: seconds (then it is sent anyway, and computes its prompt if it arrives first).
 FIRST_WAIT_S = 10.0
@@ -131,6 +137,24 @@ async def choice_order(request_id: str) -> AsyncIterator[None]:
             choice.event(request_id).set()
 
 
+def choice_seed(seed: Any, j: int) -> Any:
+    """The ``seed`` choice ``j`` samples with: ``seed + j * SEED_STRIDE`` modulo
+    2^64, as an int64 (0 becomes :data:`ZERO_SEED`: MAX draws a random seed for
+    0).  A seed MAX's schema would not read as an integer, or outside int64,
+    is left as it is, for MAX's 400."""
+    value: int | None = None
+    if isinstance(seed, int):  # (bool included, as MAX's schema reads it)
+        value = int(seed)
+    elif isinstance(seed, float) and seed.is_integer():
+        value = int(seed)
+    elif isinstance(seed, str) and re.fullmatch(r"\s*[+-]?\d{1,20}\s*", seed):
+        value = int(seed)
+    if value is None or not -(2**63) <= value < 2**63:
+        return seed
+    drawn = (value + j * SEED_STRIDE) % 2**64
+    return (drawn - 2**64 if drawn >= 2**63 else drawn) or ZERO_SEED
+
+
 def _error(message: str) -> HTTPException:
     return HTTPException(status_code=400, detail=message)
 
@@ -165,11 +189,8 @@ class ChoicePlan:
     def body(self, body: dict[str, Any], j: int) -> dict[str, Any]:
         """The body choice ``j`` runs through MAX's route."""
         one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
-        seed = body.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 2**63:
-            # (MAX draws a random seed for 0; one outside int64 is left for its 400)
-            value = seed + j
-            one["seed"] = (value - 2**63 + 1 if value >= 2**63 else value) or ZERO_SEED
+        if body.get("seed") is not None:
+            one["seed"] = choice_seed(body["seed"], j)
         if self.best_of > self.n:  # the choices are ranked by their log probability
             if "messages" in body:
                 one["logprobs"] = True
