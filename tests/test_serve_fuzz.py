@@ -178,6 +178,19 @@ def test_a_refused_prompt_stops_the_requests_other_prompts(
     assert released[-1]["free"] == released[-1]["total"], released
 
 
+def test_a_top_k_past_the_vocabulary_draws_as_the_vocabulary(
+    fuzz_server: tuple[Server, int],
+) -> None:
+    """Found by the run above: ``top_k`` 2**31 made MAX's sampler take 23 GB, and the
+    model worker was killed (the server with it)."""
+    server, vocab = fuzz_server
+    sampled = {"temperature": 1.0, "seed": 11}
+    answers = [complete(server, "hello world", top_k=k, **sampled) for k in (2**31, vocab)]
+    assert [status for status, _ in answers] == [200, 200], answers
+    texts = [body["choices"][0]["text"] for _, body in answers]
+    assert texts[0] == texts[1] and alive(server), texts
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

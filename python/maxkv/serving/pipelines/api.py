@@ -9,11 +9,11 @@ several through):
   parser, ``max.serve.router.openai_routes._parse_openai_request_body``;
   the routes turn its :class:`~max.pipelines.context.exceptions.InputError`
   into a 400): bodies nested too deeply for Python's JSON parser and uploads
-  the client abandoned (MAX answers 500); ``n > 1`` / ``best_of > 1``
-  (MAX's routes accept them and return one choice; maxkv's pipeline produces
-  one sequence per request, so it refuses instead of silently answering
-  once); a completion with no prompt (``"prompt": []``), or streamed with
-  several prompts (MAX answers 500): :func:`check_request`;
+  the client abandoned (MAX answers 500); a completion with no prompt
+  (``"prompt": []``), or streamed with several prompts (MAX answers 500):
+  :func:`check_request`.  (``n``, ``best_of`` and ``echo``, which MAX's
+  routes accept and answer with one choice, are served by
+  :mod:`~maxkv.serving.pipelines.choices` in front of the routes.);
 - the fields of vLLM's and SGLang's servers that routers (vllm-router, for
   one) add to every request they forward are not MAX's, whose schema refuses
   any field it does not know: :func:`accept_router_fields` takes them out
@@ -28,12 +28,12 @@ several through):
   are not ids of the model's vocabulary (negative, or past its embedding
   table: the worker's gather fails and the server goes down);
   ``stop_token_ids`` outside the vocabulary and integers the worker queue
-  cannot carry (outside int64: MAX answers 500); ``echo`` with ``logprobs``
-  (log probabilities of the prompt's tokens, which maxkv's graph does not
-  compute; MAX's worker raises and the server goes down):
-  :func:`check_sampling`; with CacheBlend (``MAXKV_BLEND=1``), a prompt
-  whose chunk between two separators is empty or that ends with the
-  separator (:func:`~maxkv.serving.pipelines.blending.split_prompt`).
+  cannot carry (outside int64: MAX answers 500): :func:`check_sampling`,
+  which also reads a ``top_k`` past the vocabulary as the vocabulary (what it
+  means; MAX's sampler sizes its buffers by the batch's largest ``top_k``,
+  and ``2**31`` took 23 GB before the worker was killed); with CacheBlend
+  (``MAXKV_BLEND=1``), a prompt whose chunk between two separators is empty
+  or that ends with the separator (:func:`~maxkv.serving.pipelines.blending.split_prompt`).
 """
 
 from __future__ import annotations
@@ -189,13 +189,17 @@ def check_request(request: Any) -> None:
 def check_sampling(params: Any, vocab_size: int) -> None:
     """Raises ``InputError`` unless every integer of ``params`` (MAX's
     ``SamplingParams``) fits int64 and every ``stop_token_ids`` entry is an id
-    of the vocabulary."""
+    of the vocabulary; a ``top_k`` past the vocabulary becomes ``vocab_size``
+    (the same draw: MAX's sampler would size its buffers by it)."""
     for name, value in vars(params).items():
         values = value if isinstance(value, list | tuple) else [value]
         for item in values:
             if isinstance(item, int) and not isinstance(item, bool):
                 if not INT64[0] <= item <= INT64[1]:
                     raise InputError(f"`{name}` holds {item}, outside the 64-bit integers")
+    top_k = getattr(params, "top_k", None)
+    if isinstance(top_k, int) and top_k > vocab_size:
+        params.top_k = vocab_size
     stop = getattr(params, "stop_token_ids", None) or []
     for token in stop:
         if not 0 <= token < vocab_size:
