@@ -74,7 +74,7 @@ __all__ = [
 
 Route = Callable[[Request], Awaitable[Any]]
 
-#: The seed of a choice whose ``seed + j`` is 0 (MAX draws a random one for 0).
+#: The seed of a choice whose seed comes to 0 (MAX draws a random one for 0).
 ZERO_SEED = 2**63 - 1
 #: Choice ``j`` samples with ``seed + j * SEED_STRIDE``: MAX keys a row's draw on
 #: its seed plus its token count, so choices this far apart never share a draw
