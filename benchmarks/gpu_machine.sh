@@ -21,12 +21,14 @@
 #   bash benchmarks/gpu_machine.sh stash b        (carry .gpu/b)
 #   bash benchmarks/gpu_machine.sh stash c && bash benchmarks/gpu_machine.sh study
 #   bash benchmarks/gpu_machine.sh families       (if device time is left)
-# `study` unpacks MAX into /tmp/site, checks that a graph runs on the GPU, runs
-# the attention and end_to_end parts from the precompiled graphs and
-# `pytest -m gpu` (but the families'), each under a time limit, with results and
-# logs under $OUT.  `families` runs end_to_end on the other families' published
-# shapes (precompiled too) and the families' gpu tests (tokens against
-# transformers; each compiles its small graph there).
+# `study` unpacks MAX into /tmp/site, checks that a graph runs on the GPU, then
+# runs, smallest first and each under a time limit (all under STUDY_S): the
+# end_to_end part on SmolLM2's shape and one family's (precompiled graphs),
+# `pytest -m gpu` (but the families'), the attention part and the families' gpu
+# tests (tokens against transformers; each compiles its small graph there), with
+# the results in $OUT/gpu_<kind>.json and every log in $OUT/study.log.
+# `families` runs the families' tests, then end_to_end on the other families'
+# shapes (their graphs precompiled where the payload exported them).
 set -u
 here="$(cd "$(dirname "$0")/.." && pwd)"
 FAMILY_SHAPES=qwen2.5-0.5b,qwen3-0.6b,gemma-3-1b
@@ -130,9 +132,26 @@ check)
     python3 "$here/benchmarks/gpu_check.py" 2>&1 | tee "$OUT/check.log"
     ;;
 study | families)
+    # One call, smallest first, each step under its own cap and the whole under
+    # STUDY_S (default 540 s), every result written under $OUT as it lands:
+    # SmolLM2's 30-layer shape, then one family (both against MAX's pipeline),
+    # `pytest -m gpu` (but the families'), decode attention, the families' gpu
+    # tests; `families`: those tests, then the other families' shapes.
     setup_env
     unpack
-    python3 "$here/benchmarks/gpu_check.py" >"$OUT/check.log" 2>&1 || { cat "$OUT/check.log"; exit 1; }
+    budget=${STUDY_S:-540}
+    start=$SECONDS
+    step() {  # step NAME CAP COMMAND...: runs while time is left
+        local name=$1 cap=$2 left=$((budget - (SECONDS - start)))
+        shift 2
+        [ "$left" -lt 20 ] && { echo "$name: skipped, ${left} s left"; return; }
+        [ "$cap" -gt "$left" ] && cap=$left
+        echo "======== $name (cap $cap s)" >>"$OUT/study.log"
+        timeout -k 10 "$cap" "$@" >>"$OUT/study.log" 2>&1
+        echo "$name: rc $? at $((SECONDS - start)) s (cap $cap s)" | tee -a "$OUT/study.log"
+    }
+    step check 120 python3 "$here/benchmarks/gpu_check.py"
+    grep -q "check passed" "$OUT/study.log" || { tail -n 30 "$OUT/study.log"; exit 1; }
     cd "$here/benchmarks"
     kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z)
     results="$OUT/gpu_${kind:-unknown}.json"
@@ -140,32 +159,26 @@ study | families)
     # the machine's CPU refuse it (SIGILL), NO_MEFS=1 compiles there instead.
     mefs=()
     [ -f /tmp/mefs/manifest.json ] && [ -z "${NO_MEFS:-}" ] && mefs=(--precompiled-mefs /tmp/mefs)
-    start=$SECONDS
-    if [ "$1" = families ]; then
-        timeout "${END_TO_END_S:-300}" python3 gpu_study.py --json "$results" --parts end_to_end \
-            --shapes "$FAMILY_SHAPES" --batches 1,32 "${mefs[@]}" >"$OUT/families.log" 2>&1
-        echo "end_to_end families: rc $? at $((SECONDS - start)) s"
-        cd "$here"
-        timeout "${PYTEST_S:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -k family \
-            -p no:cacheprovider >"$OUT/pytest_families.log" 2>&1
-        echo "pytest -m gpu -k family: rc $? at $((SECONDS - start)) s"
-        tail -n 3 "$OUT/pytest_families.log"
-        grep -h -e "^  {" "$OUT/families.log" | cut -c1-400
-        exit 0
+    # MAX's generate() prefills at most 8192 tokens at once (64 prompts of 128).
+    e2e=(python3 gpu_study.py --json "$results" --parts end_to_end --batches 1,8,32,64 "${mefs[@]}")
+    shapes=(${FAMILY_SHAPES//,/ })
+    if [ "$1" = study ]; then
+        step e2e_smollm2 200 "${e2e[@]}" --shapes smollm2
+        step "e2e_${shapes[0]}" 160 "${e2e[@]}" --shapes "${shapes[0]}"
+        (cd "$here" && step pytest_gpu 240 python3 -m pytest -q -m gpu tests/test_gpu.py \
+            -k "not family" -p no:cacheprovider)
+        step attention 120 python3 gpu_study.py --json "$results" --parts attention "${mefs[@]}"
     fi
-    timeout "${ATTENTION_S:-150}" python3 gpu_study.py --json "$results" --parts attention \
-        "${mefs[@]}" >"$OUT/attention.log" 2>&1
-    echo "attention: rc $? at $((SECONDS - start)) s"
-    timeout "${END_TO_END_S:-240}" python3 gpu_study.py --json "$results" --parts end_to_end \
-        --shapes smollm2 "${mefs[@]}" >"$OUT/end_to_end.log" 2>&1
-    echo "end_to_end: rc $? at $((SECONDS - start)) s"
-    cd "$here"
-    timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu tests/test_gpu.py -k "not family" \
-        -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1
-    echo "pytest -m gpu: rc $? at $((SECONDS - start)) s"
-    tail -n 3 "$OUT/pytest_gpu.log"
-    grep -h -e "^  {" -e "precompiled" "$OUT/attention.log" "$OUT/end_to_end.log" | cut -c1-400
-    tail -n 3 "$OUT/attention.log" "$OUT/end_to_end.log"
+    (cd "$here" && step pytest_families 300 python3 -m pytest -q -m gpu tests/test_gpu.py \
+        -k family -p no:cacheprovider)
+    if [ "$1" = families ]; then
+        for shape in "${shapes[@]:1}"; do
+            step "e2e_$shape" 200 "${e2e[@]}" --shapes "$shape"
+        done
+    fi
+    # The results (every log is in $OUT/study.log; only 8 files come back).
+    grep -e "^======== " -e "^  {" -e "precompiled" -e " passed" -e " failed" -e "^FAILED" \
+        -e "^ERROR" "$OUT/study.log" | cut -c1-600
     ;;
 *)
     echo "usage: $0 payload | stash a|b|c | check | study | families" >&2

@@ -79,7 +79,12 @@ def parse_args() -> argparse.Namespace:
         help="end_to_end / export shapes (default smollm2,llama3_8b; tiny with --smoke); "
         "the families: qwen2.5-0.5b,qwen3-0.6b,gemma-3-1b,llama-3.2-1b (<name>@tiny: 2 layers)",
     )
-    parser.add_argument("--batches", default="1,8,32,128", help="end_to_end batch sizes")
+    parser.add_argument(
+        "--batches",
+        default="1,8,32,64",
+        help="end_to_end batch sizes (MAX's generate() prefills at most 8192 tokens: 64 "
+        "prompts of 128)",
+    )
     parser.add_argument("--workdir", type=Path, help="checkpoints (default: a temp folder)")
     parser.add_argument(
         "--export-mefs", type=Path, help="write every graph compiled to this folder (export)"

@@ -627,6 +627,9 @@ def end_to_end(
                 "maxkv_tokens_per_s": round(generated / ours_s, 1),
                 "maxkv_load_and_compile_s": round(maxkv_compile_s, 1),
             }
+            # Sequence 0's prompt is in every batch: a side whose tokens for it
+            # change with the batch computes some batch wrong (or in another order).
+            row["maxkv_first_sequence_equals_batch_1"] = ours_out[0] == maxkv_rows[0][1][0]
             theirs_out: list[list[int]] | None = None
             if max_rows is None:
                 row["max_pipeline_error"] = max_error
@@ -636,6 +639,12 @@ def end_to_end(
                     "max_pipeline_tokens_per_s": round(generated / theirs_s, 1),
                     "same_tokens": ours_out == theirs_out,
                     "same_token_fraction": round(_agreement(ours_out, theirs_out), 4),
+                    "same_first_token_fraction": round(
+                        _agreement([o[:1] for o in ours_out], [t[:1] for t in theirs_out]), 4
+                    ),
+                    "max_pipeline_first_sequence_equals_batch_1": (
+                        theirs_out[0] == max_rows[0][1][0]
+                    ),
                     "max_pipeline_load_and_compile_s": round(max_compile_s, 1),
                 }
                 row["speedup_vs_max_pipeline"] = round(
