@@ -645,6 +645,11 @@ def end_to_end(
                     "max_pipeline_first_sequence_equals_batch_1": (
                         theirs_out[0] == max_rows[0][1][0]
                     ),
+                    # Per sequence, the first new token where the sides differ (0: the
+                    # prefill's token; -1: none): a prefill or a decode fault.
+                    "first_difference_at": [
+                        _first_difference(o, t) for o, t in zip(ours_out, theirs_out, strict=True)
+                    ],
                     "max_pipeline_load_and_compile_s": round(max_compile_s, 1),
                 }
                 row["speedup_vs_max_pipeline"] = round(
@@ -752,6 +757,11 @@ def _time_side(
             times.append(time.perf_counter() - start)
         out.append((float(np.median(times)), outputs))
     return out
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where ``a`` and ``b`` differ, or -1."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), -1)
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
