@@ -1,4 +1,4 @@
-"""``linear_packed`` over float32 weights against its exact quantized copies, by rows.
+"""``linear_packed`` over float32 weights against its exact quantized copies alone, by rows.
 
     python benchmarks/linear_quantized.py --json benchmarks/results/linear_quantized_<isa>.json
 
@@ -6,11 +6,14 @@ For the matrices of a decode step of two real models (SmolLM2-135M's fused
 gate/up ``[3072, 576]`` and down ``[576, 1536]``, Gemma 3 270M's ``[4096,
 640]`` and ``[640, 2048]``), each copy format the kernel reads
 (:class:`maxkv.cpu.quantized.PackedFormat`: 4-bit integers per 32 weights,
-8-bit ones per 32 or per 16) is timed against the float32 weights at 1 to 64
-rows, interleaved, medians of ``--repeats``; results are checked equal bit
-for bit first.  Printed and saved: microseconds per call and the weight bytes
-each call streams per microsecond (GB/s), with the machine's read bandwidth
-(``maxkv.stream_read``) measured in the same run.
+8-bit ones per 32 or per 16), held alone as a model holds a GGUF's matrices
+(past 8 rows dequantized in panels), is timed against the float32 weights at
+1 to 64 rows, interleaved, medians of ``--repeats``; results are checked
+equal bit for bit first.  ``--shapes llama3b.gate_up,llama3b.down`` adds
+Llama 3.2 3B's MLP matrices (``[16384, 3072]``, ``[3072, 8192]``).  Printed
+and saved: microseconds per call and the weight bytes each call streams per
+microsecond (GB/s), with the machine's read bandwidth (``maxkv.stream_read``)
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ SHAPES = {
     "smollm2.down": (576, 1536),
     "gemma3.gate_up": (4096, 640),
     "gemma3.down": (640, 2048),
+    "llama3b.gate_up": (16384, 3072),
+    "llama3b.down": (3072, 8192),
 }
+DEFAULT_SHAPES = ("smollm2.gate_up", "smollm2.down", "gemma3.gate_up", "gemma3.down")
 FORMATS = PACKED_FORMATS
 ROWS = (1, 4, 8, 16, 32, 64)
 
@@ -57,14 +63,14 @@ def random_copy(rng: np.random.Generator, n: int, k: int, fmt: PackedFormat) -> 
 def build(
     session: InferenceSession, name: str, n: int, k: int, arrays: dict[str, np.ndarray]
 ) -> object:
-    """A graph of one ``linear_packed`` over ``arrays`` (``w``, and ``q``/``sm`` if given)."""
+    """A graph of one ``linear_packed`` over ``arrays``: ``w``, or ``q``/``sm`` alone."""
     device = DeviceRef.CPU()
     with Graph(
         name,
         input_types=[TensorType(DType.float32, ["m", k], device)],
         custom_extensions=[kernels_path()],
     ) as g:
-        w = Weight("w", DType.float32, arrays["w"].shape, device)
+        w = Weight("w", DType.float32, arrays["w"].shape, device) if "w" in arrays else None
         quantized = None
         if "q" in arrays:
             quantized = (
@@ -78,7 +84,7 @@ def build(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=41)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {','.join(SHAPES)}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     session = InferenceSession(devices=[CPU()])
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             w = kvops.pack_linear_weight(weight)
             tag = f"{shape_name.replace('.', '_')}_{fmt.bits}_{fmt.block}"
             f32 = build(session, f"f32_{tag}", n, k, {"w": w})
-            quant = build(session, f"q_{tag}", n, k, {"w": w, "q": q, "sm": sm})
+            quant = build(session, f"q_{tag}", n, k, {"q": q, "sm": sm})
             f32_bytes, q_bytes = w.nbytes, q.nbytes + sm.nbytes
             for m in ROWS:
                 x = Buffer.from_numpy(rng.standard_normal((m, k)).astype(np.float32))

@@ -151,8 +151,8 @@ def smollm2(smollm2_gguf: Path) -> LoadedModel:
 def smollm2_llama(smollm2: LoadedModel, session: InferenceSession) -> DecoderModel:
     """SmolLM2 compiled once (greedy tokens out); its graph serves managers of any size.
 
-    With the GGUF's block-quantized copies, as the demo runs it: steps of up
-    to 8 rows read them, larger ones the float32 weights.
+    Held as the GGUF stores its matrices, as the demo runs it: every step
+    reads the blocks (dequantized in panels past 8 rows), no float32 copy.
     """
     from maxkv.models.decoder import cache_params
 

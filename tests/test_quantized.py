@@ -9,6 +9,7 @@ bit for bit, plus NumPy's matmul.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,12 @@ from maxkv.cpu.quantized import (
     from_gguf_blocks,
 )
 from maxkv.models import load_model
-from maxkv.models.decoder import graph_weights, matrix_sources, quantized_formats
+from maxkv.models.decoder import (
+    graph_weight_shapes,
+    graph_weights,
+    matrix_sources,
+    quantized_formats,
+)
 from maxkv.models.gguf_file import read_gguf_quantized
 from maxkv.models.resolve import LoadedModel
 
@@ -117,6 +123,9 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     assert formats["layers.0.wo"] == PackedFormat(4, 32)  # Q4_K
     assert formats["layers.0.gate_up"] == PackedFormat(8, 32)  # Q5_0 + Q5_K
     assert formats["layers.0.down"] == PackedFormat(8, 16)  # Q6_K
+    # Held as the file stores them: no matrix has a float32 copy beside its blocks.
+    assert not set(formats) & set(registry), "a float32 copy beside the blocks"
+    assert all(registry[f"{n}.q"].dtype == np.uint8 for n in formats)
 
 
 @pytest.mark.unit
@@ -173,10 +182,12 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     registry = graph_weights(config, smollm2.weights, packed=True, quantized=smollm2.quantized)
     names = set(matrix_sources(config, packed=True))
     assert {n[: -len(".q")] for n in registry if n.endswith(".q")} == names
+    assert not names & set(registry), "a float32 copy beside the blocks"
     q_bytes = sum(a.nbytes for n, a in registry.items() if n.endswith((".q", ".sm")))
-    f32_bytes = sum(registry[n].nbytes for n in names)
+    shapes = graph_weight_shapes(config, packed=True)
+    f32_bytes = sum(4 * math.prod(shapes[n]) for n in names)
     assert q_bytes < f32_bytes / 4
-    # A greedy-head graph never reads the head's quantized copy: it is not kept.
+    # A greedy-head graph reads the head in float32 (its exact pass): the head keeps it.
     greedy = graph_weights(
         config, smollm2.weights, packed=True, quantized=smollm2.quantized, greedy_head=True
     )
@@ -197,15 +208,21 @@ def _random_copy(
     return BlockQuantized(q, scale, offset, bits, block)
 
 
-_N, _K = 200, 96  # 4 tiles, the last one partly padding; 3 blocks along K
+#: 4 tiles, the last one partly padding; K: 19 blocks of 32, two full panels of
+#: 256 rows that larger steps over a copy alone dequantize at a time, and a part one.
+_N, _K = 200, 608
+
+#: How a graph holds a matmul's weight: float32 alone, float32 with the
+#: quantized copy (steps of <= 8 rows read the copy), the copy alone.
+_HOLDINGS = ("float32", "both", "alone")
 
 
 def _linear_weights(
-    registry: dict[str, np.ndarray], prefix: str, quant: bool, made: dict[str, Weight]
-) -> tuple[Weight, tuple[Weight, Weight] | None]:
-    """Graph weights for ``linear_packed``: the packed float32 ``{prefix}w``, and with
-    ``quant`` the quantized copy ``({prefix}q, {prefix}sm)`` of ``registry``; each
-    made once per graph (``made``)."""
+    registry: dict[str, np.ndarray], prefix: str, holding: str, made: dict[str, Weight]
+) -> tuple[Weight | None, tuple[Weight, Weight] | None]:
+    """Graph weights for ``linear_packed`` as ``holding`` (:data:`_HOLDINGS`) holds
+    them: the packed float32 ``{prefix}w`` and/or the quantized copy
+    ``({prefix}q, {prefix}sm)`` of ``registry``; each made once per graph (``made``)."""
 
     def weight(name: str) -> Weight:
         if name not in made:
@@ -214,15 +231,16 @@ def _linear_weights(
             made[name] = Weight(name, dtype, array.shape, DeviceRef.CPU())
         return made[name]
 
-    w = weight(f"{prefix}w")
-    return w, (weight(f"{prefix}q"), weight(f"{prefix}sm")) if quant else None
+    w = weight(f"{prefix}w") if holding != "alone" else None
+    quantized = (weight(f"{prefix}q"), weight(f"{prefix}sm")) if holding != "float32" else None
+    return w, quantized
 
 
 @dataclass(frozen=True)
 class _LinearCase:
-    """One layout's matmul graph: outputs ``2 f, 2 f + 1`` are the float32 and the
-    quantized ``x @ w.T`` over format ``PACKED_FORMATS[f]``'s weight; then, over the
-    4-bit weight, ``residual + x @ w.T`` in the epilogue, float32 and quantized."""
+    """One layout's matmul graph: for each format ``PACKED_FORMATS[f]``'s weight,
+    ``x @ w.T`` held each of the :data:`_HOLDINGS` ways; then, over the 4-bit
+    weight, ``residual + x @ w.T`` in the epilogue, held each way."""
 
     model: Model
     weights: dict[PackedFormat, np.ndarray]
@@ -233,11 +251,12 @@ class _LinearCase:
         outputs = self.model.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))
         return [o.to_numpy() for o in outputs]
 
-    def pair(self, fmt: PackedFormat, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(float32, quantized) ``x @ w.T`` over ``fmt``'s weight."""
+    def held(self, fmt: PackedFormat, x: np.ndarray) -> dict[str, np.ndarray]:
+        """``x @ w.T`` over ``fmt``'s weight, by holding."""
         f = PACKED_FORMATS.index(fmt)
         out = self.run(x)
-        return out[2 * f], out[2 * f + 1]
+        n = len(_HOLDINGS)
+        return dict(zip(_HOLDINGS, out[n * f : n * (f + 1)], strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -272,14 +291,20 @@ def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _Li
                 x, residual = (v.tensor for v in g.inputs)
                 made: dict[str, Weight] = {}
                 outputs = []
+                # A copy alone takes the register blocks' width as an argument.
+                alone = {"block_cols": block_cols}
                 for fmt in PACKED_FORMATS:
                     prefix = f"f{fmt.bits}_{fmt.block}_"
-                    for quant in (False, True):
-                        w, quantized = _linear_weights(registry, prefix, quant, made)
-                        outputs.append(kvops.linear_packed(x, w, _N, quantized))
-                for quant in (False, True):  # the residual, over the 4-bit weight
-                    w, quantized = _linear_weights(registry, "f4_32_", quant, made)
-                    outputs.append(kvops.linear_packed(x, w, _N, quantized, residual=residual))
+                    for holding in _HOLDINGS:
+                        w, quantized = _linear_weights(registry, prefix, holding, made)
+                        extra = alone if w is None else {}
+                        outputs.append(kvops.linear_packed(x, w, _N, quantized, **extra))
+                for holding in _HOLDINGS:  # the residual, over the 4-bit weight
+                    w, quantized = _linear_weights(registry, "f4_32_", holding, made)
+                    extra = alone if w is None else {}
+                    outputs.append(
+                        kvops.linear_packed(x, w, _N, quantized, residual=residual, **extra)
+                    )
                 g.output(*outputs)
             built[block_cols] = _LinearCase(session.load(g, weights_registry=registry), weights)
         return built[block_cols]
@@ -294,7 +319,10 @@ def test_quantized_matmul_is_bit_identical_to_float32(
     linear_case: Callable[[int], _LinearCase], fmt: PackedFormat, block_cols: int
 ) -> None:
     """Every copy format, with both layouts (and register blocks) on any CPU: the
-    host's own (AVX2's 16-column blocks or AVX-512's 64) and the other one."""
+    host's own (AVX2's 16-column blocks or AVX-512's 64) and the other one; the
+    copy beside the float32 weights and the copy alone (dequantized in panels
+    past 8 rows) give the float32 weights' bits, which are within float32's
+    rounding of the float64 product."""
     case = linear_case(block_cols)
     weight = case.weights[fmt]
     rng = np.random.default_rng(10 + fmt.bits + fmt.block)
@@ -302,12 +330,16 @@ def test_quantized_matmul_is_bit_identical_to_float32(
     # (blocks of 4 rows with 64 columns, of 6 with 16)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
         x = rng.standard_normal((m, _K)).astype(np.float32)
-        expected, got = case.pair(fmt, x)
-        assert got.shape == (m, _N)
-        np.testing.assert_array_equal(got, expected, err_msg=f"M={m}")
+        held = case.held(fmt, x)
         reference = x.astype(np.float64) @ weight.T.astype(np.float64)
-        bound = 1e-5 * (np.abs(x) @ np.abs(weight).T)  # > 96 float32 roundings of the sum
-        assert np.all(np.abs(got - reference) <= bound), f"M={m}"
+        # A sum of 608 float32 products rounds ~sqrt(608) times 6e-8 of its scale.
+        bound = 1e-5 * (np.abs(x) @ np.abs(weight).T)
+        assert np.all(np.abs(held["float32"] - reference) <= bound), f"M={m}"
+        for holding in ("both", "alone"):
+            assert held[holding].shape == (m, _N)
+            np.testing.assert_array_equal(
+                held[holding], held["float32"], err_msg=f"M={m}, {holding}"
+            )
 
 
 @pytest.mark.compile
@@ -315,7 +347,10 @@ def test_the_matmul_layouts_agree_bit_for_bit(linear_case: Callable[[int], _Line
     """Each output is one fma per k in order, whatever the block: the layouts agree exactly."""
     fmt = PackedFormat(8, 32)
     x = np.random.default_rng(3).standard_normal((19, _K)).astype(np.float32)
-    np.testing.assert_array_equal(linear_case(16).pair(fmt, x)[0], linear_case(64).pair(fmt, x)[0])
+    for holding in _HOLDINGS:
+        np.testing.assert_array_equal(
+            linear_case(16).held(fmt, x)[holding], linear_case(64).held(fmt, x)[holding]
+        )
 
 
 @pytest.mark.compile
@@ -334,11 +369,11 @@ def test_residual_is_added_in_the_epilogue(
         x = rng.standard_normal((m, _K)).astype(np.float32)
         residual = rng.standard_normal((m, _N)).astype(np.float32)
         out = case.run(x, residual)
-        product = case.pair(fmt, x)[0]
+        product = case.held(fmt, x)["float32"]
         reference = x.astype(np.float64) @ weight.T.astype(np.float64)
         assert np.all(np.abs(product - reference) <= 1e-5 * (np.abs(x) @ np.abs(weight).T))
-        for got in out[-2:]:
-            np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}")
+        for holding, got in zip(_HOLDINGS, out[-len(_HOLDINGS) :], strict=True):
+            np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}, {holding}")
 
 
 @pytest.mark.unit
@@ -404,6 +439,14 @@ def test_quantized_matmul_refuses_mismatched_copies() -> None:
             kvops.linear_packed(x, w, _N, (good_q, sm16))
         with pytest.raises(ValueError, match="dtype uint8"):
             kvops.linear_packed(x, w, _N, (float_q, good_sm))
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.linear_packed(x, None, _N, (good_q, short_sm))
+        with pytest.raises(ValueError, match="needs w_packed, quantized, or both"):
+            kvops.linear_packed(x, None, _N)
+        with pytest.raises(ValueError, match="block_cols must be one of"):
+            kvops.linear_packed(x, None, _N, (good_q, good_sm), block_cols=32)
+        with pytest.raises(ValueError, match="block_cols is w_packed's own"):
+            kvops.linear_packed(x, w, _N, (good_q, good_sm), block_cols=64)
         bad_shapes = [(4, 2, _K, 16), (4, 4, _K, 32), (4, _K, 64), (3, 1, _K, 64), (4, 1, 8, 64)]
         for i, shape in enumerate(bad_shapes):
             bad = Weight(f"bad_w{i}", DType.float32, shape, device)

@@ -139,13 +139,13 @@ class _Profiler:
     def linear(self, name: str, layers: list[dict[str, np.ndarray]], out_features: int) -> float:
         """Per-call ms of :func:`maxkv.ops.linear_packed` on the model's own matrices.
 
-        ``layers``: per layer, ``{"w": packed}`` plus ``"q"`` and ``"sm"``
-        where the matrix has a quantized copy (the graph reads it for steps
-        of up to 8 rows, as the model does).  Application *i* uses layer
-        ``i % len(layers)``, a fresh copy of it when reused, so every
-        application streams its own weights.
+        ``layers``: per layer, ``{"w": packed}``, or ``"q"`` and ``"sm"``
+        where the model holds the matrix as its quantized copy alone.
+        Application *i* uses layer ``i % len(layers)``, a fresh copy of it
+        when reused, so every application streams its own weights.
         """
-        in_features = int(layers[0]["w"].shape[2])
+        first = layers[0]
+        in_features = int(first["w"].shape[2] if "w" in first else first["q"].shape[1])
 
         def build(count: int) -> tuple[Graph, dict[str, np.ndarray], list[Buffer]]:
             types = [TensorType(DType.float32, [self.batch, in_features], self.ref)]
@@ -158,7 +158,7 @@ class _Profiler:
                 for i in range(count):
                     w = self.bind(layers[i % len(layers)], i, i >= len(layers), weights)
                     quantized = (w["q"], w["sm"]) if "q" in w else None
-                    outs.append(kvops.linear_packed(x, w["w"], out_features, quantized))
+                    outs.append(kvops.linear_packed(x, w.get("w"), out_features, quantized))
                 g.output(*outs)
             return g, weights, [self.buffer(self.batch, in_features)]
 

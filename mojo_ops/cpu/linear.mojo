@@ -26,6 +26,14 @@ dequantize each tile row in registers with one rounding per weight, so the
 results are bit-identical to the float32 path, which larger steps use (there
 the matmul is compute-bound and dequantizing again per row block costs more
 than it saves).
+
+`maxkv.linear_quantized` takes the quantized copy alone, with no float32
+tiles at all (a model held as its file stores it): few rows read it as
+above; more rows dequantize `PANEL_K` weight rows of a column block at a
+time into a scratch panel of their worker's, which stays in cache while
+every register block of the step reads it (see `_panel_column_block`).
+Every output is still `fma(x[m, k], w[k], acc)` for `k` in order, so all
+three paths give the same bits.
 """
 
 import extensibility
@@ -57,6 +65,10 @@ comptime PREFETCH_SPAN = 6
 """Weight rows per prefetch round of a register block (see `_column_block`)."""
 comptime PREFETCH_AHEAD = 2
 """Column blocks ahead of the current one whose weights are prefetched."""
+comptime PANEL_K = 256
+"""Weight rows of a column block dequantized at a time by steps of more than
+`QUANT_MAX_ROWS` rows over a quantized copy alone: 256 x 64 float32 is 64 KiB,
+in L2 with room for the rows of `x` (a multiple of both block sizes)."""
 comptime CLAIM_STRIDE = 8
 """Int64s between two pairs' claim counters in `_linear` (one 64-byte line each)."""
 
@@ -172,20 +184,114 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
             for kk in range(QB):
                 var k = kb * QB + kk
                 _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, scale, offset), acc)
+    _store[R, C, C0, ADD](acc, dst, residual, m0, N, n0, True)
+
+
+@always_inline
+def _store[R: Int, C: Int, C0: Int, ADD: Bool](
+    acc: StaticTuple[SIMD[DType.float32, C], R],
+    dst: Ptr,
+    residual: Ptr,
+    m0: Int,
+    N: Int,
+    n0: Int,
+    add: Bool,
+):
+    """Stores a register block's accumulators at `dst[m0 .., n0 + C0 ..]` (`[M, N]`),
+    plus `residual` where `ADD` and `add`; columns past `N` are left out."""
     comptime for r in range(R):
         var at = (m0 + r) * N + n0 + C0
         var row = dst.unsafe_offset(at)
         if n0 + C0 + C <= N:
             comptime if ADD:
-                row.unsafe_store(0, residual.unsafe_load[width=C](at) + acc[r])
+                if add:
+                    row.unsafe_store(0, residual.unsafe_load[width=C](at) + acc[r])
+                else:
+                    row.unsafe_store(0, acc[r])
             else:
                 row.unsafe_store(0, acc[r])
         else:
             for j in range(N - n0 - C0):
                 comptime if ADD:
-                    row[unsafe_offset=j] = residual[unsafe_offset=at + j] + acc[r][j]
+                    if add:
+                        row[unsafe_offset=j] = residual[unsafe_offset=at + j] + acc[r][j]
+                    else:
+                        row[unsafe_offset=j] = acc[r][j]
                 else:
                     row[unsafe_offset=j] = acc[r][j]
+
+
+@always_inline
+def _panel_block[R: Int, C: Int, C0: Int, ADD: Bool](
+    x: Ptr,
+    panel: Ptr,
+    dst: Ptr,
+    m0: Int,
+    k0: Int,
+    kc: Int,
+    K: Int,
+    N: Int,
+    n0: Int,
+    first: Bool,
+    last: Bool,
+    residual: Ptr,
+):
+    """One register block over panel rows `k0 .. k0 + kc` (`panel` `[kc, C]`
+    float32): starts from zero on the first panel, else from what the last
+    panel stored in `dst`; the residual is added after the last panel.  Per
+    output, the fmas of `_block`'s float32 path in the same order."""
+    comptime Vec = SIMD[DType.float32, C]
+    var acc = StaticTuple[Vec, R](fill=Vec(0))
+    var rows = StaticTuple[Ptr, R](fill=x)
+    comptime for r in range(R):
+        rows[r] = x.unsafe_offset((m0 + r) * K + k0)
+    if not first:
+        comptime for r in range(R):
+            var at = (m0 + r) * N + n0 + C0
+            if n0 + C0 + C <= N:
+                acc[r] = dst.unsafe_load[width=C](at)
+            else:
+                var v = Vec(0)
+                for j in range(N - n0 - C0):
+                    v[j] = dst[unsafe_offset=at + j]
+                acc[r] = v
+    for k in range(kc):
+        _fma_k[R, C](rows, k, panel.unsafe_load[width=C](k * C), acc)
+    _store[R, C, C0, ADD](acc, dst, residual, m0, N, n0, last)
+
+
+@always_inline
+def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
+    x: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, residual: Ptr, panel: Ptr
+):
+    """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows from a quantized tile
+    alone (`q`, `sm`, as `_block` reads them): `PANEL_K` weight rows at a time
+    are dequantized into `panel` (`[PANEL_K, C]`, the worker's own) with
+    `_dequant`'s single rounding, then every register block of the step reads
+    them from cache.  The weights are dequantized once per step, not once per
+    register block, and never held in float32 beyond one panel."""
+    if n0 + C0 >= N:  # all padding (the last tile)
+        return
+    comptime R = block_rows[C]()
+    var k0 = 0
+    while k0 < K:
+        var kc = min(PANEL_K, K - k0)
+        for kb in range(k0 // QB, (k0 + kc) // QB):
+            var scale = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
+            var offset = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
+            for kk in range(QB):
+                var k = kb * QB + kk
+                panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, scale, offset))
+        var m = 0
+        while m < M:
+            var rows = _next_rows[R](M - m)
+            comptime for r in range(1, R + 1):
+                if rows == r:
+                    _panel_block[r, C, C0, ADD](
+                        x, panel, dst, m, k0, kc, K, N, n0, k0 == 0, k0 + kc == K, residual
+                    )
+            m += rows
+        k0 += kc
 
 
 @always_inline
@@ -240,7 +346,7 @@ def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
         index += 1
 
 
-def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK](
+def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False](
     xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int, residual: Ptr
 ) raises:
     """`op[M, N] = xp[M, K] @ w.T` (plus `residual[M, N]` with `ADD`) over the float32 tiles `wp` (`BITS == FLOAT32`,
@@ -260,7 +366,10 @@ def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK](
     layers, distinct weights, in a chain) at 32 rows took 53.2 ms that way and
     49.0 ms claimed this way (medians over 8 A/B pairs of processes).  Each
     worker still walks its blocks in order, so it prefetches the ones it will
-    take next."""
+    take next.
+
+    With `PANEL` (a quantized `BITS`), more rows than a register block's
+    dequantize panels into a scratch of each worker's (`_panel_column_block`)."""
     comptime BLOCKS = TILE // C
     var blocks = tiles * BLOCKS
     var workers = max(1, min(parallelism_level(None), blocks))
@@ -279,6 +388,9 @@ def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK](
         var up = worker % 2 == 0
         var claim = claimed.unsafe_offset(pair * CLAIM_STRIDE)
         var done = 0
+        var panel = alloc[Float32](PANEL_K * C if PANEL else 1).unsafe_origin_cast[
+            MutUntrackedOrigin
+        ]()
         while Int(Atomic[Int64].fetch_add(claim, 1)) <= last - first:
             var i = first + done if up else last - done
             done += 1
@@ -291,7 +403,15 @@ def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK](
             var pf = wp.unsafe_offset(ahead * C * K)
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
-                    _column_block[BITS, C, b * C, ADD, QB](xp, w, q, sm, op, M, K, N, t * TILE, pf, residual)
+                    comptime if PANEL:
+                        _panel_column_block[BITS, C, b * C, ADD, QB](
+                            xp, q, sm, op, M, K, N, t * TILE, residual, panel
+                        )
+                    else:
+                        _column_block[BITS, C, b * C, ADD, QB](
+                            xp, w, q, sm, op, M, K, N, t * TILE, pf, residual
+                        )
+        panel.unsafe_free()
 
     sync_parallelize(work, workers)
     claimed.unsafe_free()
@@ -327,7 +447,9 @@ def _run[
     name: StaticString,
     output: OutputTensor[dtype=DType.float32, rank=2, ...],
     x: InputTensor[dtype=DType.float32, rank=2, ...],
-    w_packed: InputTensor[dtype=DType.float32, rank=4, ...],
+    tiles: Int,
+    wp: Ptr,
+    has_w: Bool,
     qp: U8Ptr,
     q_width: Int,
     q_block: Int,
@@ -336,13 +458,15 @@ def _run[
     residual_rows: Int,
     residual_cols: Int,
 ) raises:
-    """The body of every `maxkv.linear_packed*` op, after its own checks.
+    """The body of every `maxkv.linear_packed*` and `maxkv.linear_quantized*`
+    op, after its own checks of the weights (`tiles` tiles of 64 columns).
 
-    `q_width` 0: no quantized copy (`qp` and `smp` are never read); else the
-    bytes per row of a quantized tile (64 for 8 bits, 32 for 4), with a
-    scale and offset per `q_block` rows (32, or 16 with 8 bits).  With
-    `ADD`, `residual` is `[residual_rows, residual_cols]`, checked here
-    against the output.
+    `wp`: the float32 tiles where `has_w` (else never read: a quantized copy alone).  `q_width`
+    0: no quantized copy (`qp` and `smp` are never read); else the bytes per
+    row of a quantized tile (64 for 8 bits, 32 for 4), with a scale and
+    offset per `q_block` rows (32, or 16 with 8 bits).  With `ADD`,
+    `residual` is `[residual_rows, residual_cols]`, checked here against the
+    output.
     """
     var M = x.dim_size(0)
     var K = x.dim_size(1)
@@ -355,20 +479,30 @@ def _run[
                 name, ": residual [", residual_rows, ", ", residual_cols, "] is not the output's [",
                 M, ", ", N, "]",
             )
-    var tiles = _check_packed[block_cols](name, M, K, N, w_packed)
     if M == 0:
         return
     var xp = _ptr(x)
-    var wp = _ptr(w_packed)
     var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    if q_width == 0 or M > QUANT_MAX_ROWS:
+    if q_width == 0 or (M > QUANT_MAX_ROWS and has_w):
         _linear[FLOAT32, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
-    elif q_width == TILE and q_block == QBLOCK_SMALL:
-        _linear[8, block_cols, ADD, QBLOCK_SMALL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
-    elif q_width == TILE:
-        _linear[8, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif M > QUANT_MAX_ROWS:
+        _dispatch_quantized[block_cols, ADD, True](xp, qp, q_width, q_block, smp, op, M, K, N, tiles, residual)
     else:
-        _linear[4, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+        _dispatch_quantized[block_cols, ADD, False](xp, qp, q_width, q_block, smp, op, M, K, N, tiles, residual)
+
+
+def _dispatch_quantized[block_cols: Int, ADD: Bool, PANEL: Bool](
+    xp: Ptr, qp: U8Ptr, q_width: Int, q_block: Int, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int,
+    tiles: Int, residual: Ptr,
+) raises:
+    """`_linear` over a quantized copy in its format (`q_width`, `q_block`)."""
+    var wp = smp  # no float32 tiles are read
+    if q_width == TILE and q_block == QBLOCK_SMALL:
+        _linear[8, block_cols, ADD, QBLOCK_SMALL, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_width == TILE:
+        _linear[8, block_cols, ADD, QBLOCK, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    else:
+        _linear[4, block_cols, ADD, QBLOCK, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
 
 
 def _check_quantized(
@@ -415,10 +549,10 @@ struct LinearPacked:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "maxkv.linear_packed runs on CPU"
+        comptime name = "maxkv.linear_packed"
+        var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
         var wp = _ptr(w_packed)  # no quantized copy or residual: never read
-        _run[block_cols, False](
-            "maxkv.linear_packed", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, 0, wp, wp, 0, 0
-        )
+        _run[block_cols, False](name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), 0, 0, wp, wp, 0, 0)
 
 
 @extensibility.register("maxkv.linear_packed_add")
@@ -436,9 +570,11 @@ struct LinearPackedAdd:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "maxkv.linear_packed_add runs on CPU"
+        comptime name = "maxkv.linear_packed_add"
+        var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
         var wp = _ptr(w_packed)  # no quantized copy: never read
         _run[block_cols, True](
-            "maxkv.linear_packed_add", output, x, w_packed, wp.unsafe_bitcast[UInt8](), 0, 0, wp,
+            name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), 0, 0, wp,
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 
@@ -474,7 +610,7 @@ struct LinearPackedQ:
         var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         var smp = _ptr(sm)  # no residual: never read
         _run[block_cols, False](
-            name, output, x, w_packed, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
+            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
         )
 
 
@@ -499,7 +635,66 @@ struct LinearPackedQAdd:
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
         var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         _run[block_cols, True](
-            name, output, x, w_packed, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
+            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
+            _ptr(residual), residual.dim_size(0), residual.dim_size(1),
+        )
+
+
+@extensibility.register("maxkv.linear_quantized")
+struct LinearQuantized:
+    """`output[M, N] = x[M, K] @ w.T` with `w` held only as a block-quantized copy.
+
+    `q` and `sm` as `maxkv.linear_packed_q` takes them, no float32 tiles:
+    up to `QUANT_MAX_ROWS` rows dequantize in registers, more rows a panel
+    of `PANEL_K` weight rows at a time into their worker's scratch; every
+    row count gives the bits of `maxkv.linear_packed` over the float32 values.
+    """
+
+    @staticmethod
+    def execute[
+        block_cols: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        q: InputTensor[dtype=DType.uint8, rank=3, ...],
+        sm: InputTensor[dtype=DType.float32, rank=4, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.linear_quantized runs on CPU"
+        comptime assert block_cols == 16 or block_cols == TILE, "block_cols must be 16 or 64"
+        comptime name = "maxkv.linear_quantized"
+        var N = output.dim_size(1)
+        var tiles = (N + TILE - 1) // TILE
+        var q_block = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
+        var smp = _ptr(sm)  # no float32 tiles or residual: never read
+        _run[block_cols, False](
+            name, output, x, tiles, smp, False, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
+        )
+
+
+@extensibility.register("maxkv.linear_quantized_add")
+struct LinearQuantizedAdd:
+    """`output = residual + x @ w.T`: `maxkv.linear_quantized` with the residual add in its epilogue."""
+
+    @staticmethod
+    def execute[
+        block_cols: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        q: InputTensor[dtype=DType.uint8, rank=3, ...],
+        sm: InputTensor[dtype=DType.float32, rank=4, ...],
+        residual: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.linear_quantized_add runs on CPU"
+        comptime assert block_cols == 16 or block_cols == TILE, "block_cols must be 16 or 64"
+        comptime name = "maxkv.linear_quantized_add"
+        var N = output.dim_size(1)
+        var tiles = (N + TILE - 1) // TILE
+        var q_block = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
+        _run[block_cols, True](
+            name, output, x, tiles, _ptr(sm), False, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 

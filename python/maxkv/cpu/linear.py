@@ -64,11 +64,12 @@ def pack_linear_weight(weight: np.ndarray, block_cols: int | None = None) -> np.
 
 def linear_packed(
     x: TensorValue,
-    w_packed: TensorValue,
+    w_packed: TensorValue | None,
     out_features: int,
     quantized: tuple[TensorValue, TensorValue] | None = None,
     *,
     residual: TensorValue | None = None,
+    block_cols: int | None = None,
 ) -> TensorValue:
     """``x @ w.T`` with ``w`` packed by :func:`pack_linear_weight` (CPU, float32).
 
@@ -78,12 +79,17 @@ def linear_packed(
     (:meth:`maxkv.cpu.quantized.BlockQuantized.pack`, checked exact with
     :meth:`~maxkv.cpu.quantized.BlockQuantized.exactly`), steps of at most 8
     rows read that copy instead: 3 to 7 times fewer bytes, bit-identical
-    results.
+    results.  With ``quantized`` and no ``w_packed`` the copy is the weight
+    (a model held as its file stores it): steps of more than 8 rows
+    dequantize 256 weight rows of a column block at a time into a scratch
+    panel of their worker's, which every register block of the step reads
+    from cache; the results are the same bits again.
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
         w_packed: float32 ``[ceil(out_features / 64), 64 / block_cols, K,
-            block_cols]`` on the CPU (:func:`pack_linear_weight`).
+            block_cols]`` on the CPU (:func:`pack_linear_weight`), or None
+            with ``quantized``.
         out_features: ``N``, the rows of the unpacked weight.
         quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
             and float32 ``[ceil(N / 64), K / block, 2, 64]``, in one of the
@@ -93,13 +99,20 @@ def linear_packed(
             ``residual + x @ w.T``, added as each output tile is stored (a
             layer's residual add without another pass; the same bits as
             adding afterwards).
+        block_cols: The register blocks' width over a quantized copy alone
+            (16 or 64; default :func:`packed_block_cols`); with ``w_packed``,
+            its layout's.
 
     Returns:
         float32 ``[M, out_features]``.
     """
     check_tensor("x", x, DType.float32, 2)
-    check_tensor("w_packed", w_packed, DType.float32, 4)
-    values = [x, w_packed]
+    if w_packed is None and quantized is None:
+        raise ValueError("linear_packed needs w_packed, quantized, or both")
+    values = [x]
+    if w_packed is not None:
+        check_tensor("w_packed", w_packed, DType.float32, 4)
+        values.append(w_packed)
     if quantized is not None:
         q, sm = quantized
         check_tensor("q", q, DType.uint8, 3)
@@ -108,23 +121,30 @@ def linear_packed(
     if residual is not None:
         check_tensor("residual", residual, DType.float32, 2)
         values.append(residual)
-    names = ("x", "w_packed", *(("q", "sm") if quantized is not None else ()), "residual")
+    names = (
+        "x",
+        *(("w_packed",) if w_packed is not None else ()),
+        *(("q", "sm") if quantized is not None else ()),
+        "residual",
+    )
     for name, value in zip(names[: len(values)], values, strict=True):
         if not value.device.is_cpu():
             raise ValueError(f"linear_packed runs on CPU; {name} is on {value.device}")
     check_positive_int("out_features", out_features)
     k = static_dim("x", x, 1)
-    tiles, blocks, k_w, bc = (static_dim("w_packed", w_packed, i) for i in range(4))
-    if (
-        bc not in BLOCK_COLS
-        or blocks * bc != PACKED_TILE
-        or k_w != k
-        or tiles != -(-out_features // PACKED_TILE)
-    ):
-        raise ValueError(
-            f"w_packed {list(w_packed.shape)} is not a packed [{out_features}, {k}] weight "
-            f"(expected [{-(-out_features // PACKED_TILE)}, 64 / b, {k}, b], b in {BLOCK_COLS})"
-        )
+    tiles = -(-out_features // PACKED_TILE)
+    bc = packed_block_cols() if block_cols is None else block_cols
+    if bc not in BLOCK_COLS:
+        raise ValueError(f"block_cols must be one of {BLOCK_COLS}, got {block_cols!r}")
+    if w_packed is not None:
+        if block_cols is not None:
+            raise ValueError("block_cols is w_packed's own: pass it only without w_packed")
+        tiles_w, blocks, k_w, bc = (static_dim("w_packed", w_packed, i) for i in range(4))
+        if bc not in BLOCK_COLS or blocks * bc != PACKED_TILE or k_w != k or tiles_w != tiles:
+            raise ValueError(
+                f"w_packed {list(w_packed.shape)} is not a packed [{out_features}, {k}] weight "
+                f"(expected [{tiles}, 64 / b, {k}, b], b in {BLOCK_COLS})"
+            )
     if quantized is not None:
         q, sm = quantized
         q_shape = tuple(static_dim("q", q, i) for i in range(3))
@@ -149,7 +169,10 @@ def linear_packed(
         raise ValueError(
             f"residual {list(residual.shape)} must be [{x.shape[0]}, {out_features}]: x @ w.T's"
         )
-    op = "maxkv.linear_packed" + ("" if quantized is None else "_q")
+    if w_packed is None:
+        op = "maxkv.linear_quantized"
+    else:
+        op = "maxkv.linear_packed" + ("" if quantized is None else "_q")
     return ops.custom(
         op + ("" if residual is None else "_add"),
         device=x.device,

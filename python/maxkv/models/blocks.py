@@ -31,7 +31,8 @@ class Blocks:
         weight: The graph weight of a name.
         packed: Matrices are packed for :func:`maxkv.ops.linear_packed` (CPU
             float32); otherwise ``[out, in]`` for ``x @ w.T``.
-        quant_formats: Matrices with a quantized copy (``<name>.q``, ``.sm``).
+        quant_formats: Matrices held as a block-quantized copy alone
+            (``<name>.q``, ``.sm``; no float32 ``<name>``).
     """
 
     def __init__(
@@ -54,11 +55,12 @@ class Blocks:
     ) -> TensorValue:
         """``x [T, in] @ w.T`` (plus ``residual [T, out]``) for the matrix ``name``;
         packed, the add happens in the matmul's epilogue."""
+        if self.packed and name in self.quant_formats:  # held as the file stores it
+            quantized = (self.weight(f"{name}.q"), self.weight(f"{name}.sm"))
+            return kvops.linear_packed(x, None, out_features, quantized, residual=residual)
         w = self.weight(name)
         if self.packed:
-            has_copy = name in self.quant_formats
-            quantized = (self.weight(f"{name}.q"), self.weight(f"{name}.sm")) if has_copy else None
-            return kvops.linear_packed(x, w, out_features, quantized, residual=residual)
+            return kvops.linear_packed(x, w, out_features, residual=residual)
         y = x @ w.T
         return y if residual is None else residual + y
 

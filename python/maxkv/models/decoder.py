@@ -153,14 +153,15 @@ def graph_weights(
     ``quantized`` (CPU only): block-quantized copies of some weights (Hugging
     Face names, e.g. from :func:`~maxkv.models.gguf_file.read_gguf_quantized`).
     A matrix all of whose sources have one, and whose stacked copy holds
-    exactly its float32 values (checked weight by weight), also gets
-    ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`), which
-    small decode steps read instead.
+    exactly its float32 values (checked weight by weight), is held as that
+    copy alone, ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`),
+    with no float32 ``<name>``: every step reads it, with the float32
+    results' bits (:func:`maxkv.ops.linear_packed`).
 
     ``greedy_head`` (CPU only): also ``lm_head.greedy_q`` and
     ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
     for graphs that output tokens through :func:`maxkv.ops.greedy_head`
-    (and no quantized copy of the head, which such graphs never read).
+    (whose exact pass reads the head in float32: the head keeps it).
 
     ``dtype`` bfloat16 (unpacked only): every weight but the RoPE table
     (float32) as a host bfloat16 :class:`~max.driver.Buffer`.
@@ -183,14 +184,15 @@ def graph_weights(
     for name, parts in matrix_sources(config, packed=packed).items():
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-        out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
-        # The greedy head reads its own int8 copy, never the head's quantized one.
+        # The greedy head's exact pass reads the head in float32.
         skip = greedy_head and name == "lm_head"
         if packed and quantized and not skip and all(part in quantized for part in parts):
             copy = BlockQuantized.concat([quantized[part] for part in parts])
-            if copy.exactly(matrix):
+            if copy.exactly(matrix):  # held as the file stores it: no float32 copy
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
                 quant_formats[name] = copy.format
+                continue
+        out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
     if greedy_head:
         if not packed:
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
@@ -239,7 +241,8 @@ def graph_weight_shapes(
     """Name and shape of every graph weight of ``config`` (see :func:`graph_weights`).
 
     ``quant_formats``: matrix name -> the
-    :class:`~maxkv.cpu.quantized.PackedFormat` of each matrix with a quantized copy;
+    :class:`~maxkv.cpu.quantized.PackedFormat` of each matrix held as a
+    quantized copy (``<name>.q`` and ``<name>.sm`` instead of ``<name>``);
     ``greedy_head``: with the head's int8 copy for :func:`maxkv.ops.greedy_head`.
     """
     c = config
@@ -279,8 +282,8 @@ def graph_weight_shapes(
                 f"layers.{i}.pre_ff_norm": (c.hidden_size,),
                 f"layers.{i}.post_ff_norm": (c.hidden_size,),
             }
-    for name, fmt in (quant_formats or {}).items():
-        tiles, _, k, _ = shapes[name]
+    for name, fmt in (quant_formats or {}).items():  # held as the copy alone
+        tiles, _, k, _ = shapes.pop(name)
         shapes[f"{name}.q"] = fmt.q_shape(tiles, k)
         shapes[f"{name}.sm"] = fmt.sm_shape(tiles, k)
     if greedy_head:
@@ -563,7 +566,7 @@ class DecoderModel:
         else:
             assert prepared is not None
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
-        #: Matrix name -> layout of the quantized copy small steps read.
+        #: Matrix name -> layout of the quantized copy it is held as (no float32 copy).
         self.quant_formats = quantized_formats(registry)
         graph = build_decoder_graph(
             config,
