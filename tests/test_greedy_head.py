@@ -182,6 +182,10 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
 
 
 @pytest.mark.model
-def test_the_real_model_decodes_through_the_greedy_head(smollm2_llama: DecoderModel) -> None:
-    """The fixture the transformers comparisons use really runs this op."""
-    assert smollm2_llama.greedy_head
+def test_a_head_held_as_blocks_is_read_as_blocks(smollm2_llama: DecoderModel) -> None:
+    """SmolLM2's GGUF holds its tied head as Q8_0 blocks: the model's tokens are
+    the argmax of logits read from them, with no float32 head kept for the
+    greedy head's exact pass (which decodes dense checkpoints' heads)."""
+    assert not smollm2_llama.greedy_head
+    assert {"lm_head", "embed_tokens"} <= set(smollm2_llama.quant_formats)
+    assert "lm_head" not in smollm2_llama._weights

@@ -596,6 +596,12 @@ def test_gguf_of_every_family_reads_as_transformers_reads_it(family: str, tmp_pa
     assert sorted(weights_back) == sorted(loaded)
     for name, array in loaded.items():
         np.testing.assert_array_equal(weights_back[name], array, err_msg=name)
+    # Without weights (``export --no-weights``): the same configuration, no safetensors.
+    bare = export_hf_directory(
+        LoadedModel(family, config, loaded, None, path), tmp_path / "bare", weights=False
+    )
+    assert (bare / "config.json").read_text() == (out / "config.json").read_text()
+    assert not list(bare.glob("*.safetensors"))
 
 
 # ------------------------------------------------------------------ SentencePiece GGUF vocabularies

@@ -27,16 +27,19 @@ from maxkv.cpu.quantized import (
     PACKED_FORMATS,
     BlockQuantized,
     PackedFormat,
+    TileBuilder,
     from_gguf_blocks,
 )
 from maxkv.models import load_model
 from maxkv.models.decoder import (
+    graph_weight_bytes,
     graph_weight_shapes,
     graph_weights,
     matrix_sources,
     quantized_formats,
 )
 from maxkv.models.gguf_file import read_gguf_quantized
+from maxkv.models.held import HeldWeights
 from maxkv.models.resolve import LoadedModel
 
 from .gguf_helpers import TINY, hf_weights, random_blocks, write_llama_gguf
@@ -117,8 +120,8 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     for name, copy in quantized.items():
         assert copy.exactly(loaded[name]), name
     registry = graph_weights(loaded_config, loaded, packed=True, quantized=quantized)
-    formats = quantized_formats(registry)
-    assert set(formats) == set(matrix_sources(loaded_config, packed=True))
+    formats = quantized_formats(registry, loaded_config)
+    assert set(formats) == set(matrix_sources(loaded_config, packed=True)) | {"embed_tokens"}
     assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0
     assert formats["layers.0.wo"] == PackedFormat(4, 32)  # Q4_K
     assert formats["layers.0.gate_up"] == PackedFormat(8, 32)  # Q5_0 + Q5_K
@@ -126,6 +129,152 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     # Held as the file stores them: no matrix has a float32 copy beside its blocks.
     assert not set(formats) & set(registry), "a float32 copy beside the blocks"
     assert all(registry[f"{n}.q"].dtype == np.uint8 for n in formats)
+
+
+@pytest.mark.unit
+def test_a_gguf_matrix_is_never_held_as_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading a Q4_K_M-style file and laying out its graph weights widens no
+    matrix: the loader keeps only 1-D tensors as float32, nothing dequantizes a
+    held matrix on the way (the embedding is gathered from its blocks), and
+    every float32 graph weight is a vector or the RoPE table."""
+    config = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    kinds = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
+    overrides = {f"blk.{i}.{t}.weight": kind for t, kind in kinds.items() for i in range(2)}
+    overrides |= {"output.weight": "Q6_K", "token_embd.weight": "Q4_K"}
+    write_llama_gguf(
+        path, hf_weights(config, seed=9), config, matrix_type="Q4_K", overrides=overrides
+    )
+    loaded_config, loaded = load_model(path)
+    assert isinstance(loaded, HeldWeights)
+    assert all(a.ndim == 1 for a in loaded.dense.values()), "a matrix was dequantized"
+    # Rows read in pieces are the matrix's rows (Q's llama.cpp permutation undone).
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    whole, piece = loaded.blocks[q_proj], loaded.blocks.read(q_proj, 3, 40)
+    np.testing.assert_array_equal(piece.q, whole.q[3:40])
+    np.testing.assert_array_equal(piece.scale, whole.scale[3:40])
+
+    def widened(self: BlockQuantized) -> np.ndarray:
+        raise AssertionError("a held matrix was widened to float32")
+
+    monkeypatch.setattr(BlockQuantized, "dequantize", widened)
+    registry = graph_weights(loaded_config, loaded, packed=True)
+    rope = set(loaded_config.ropes())
+    for name, array in registry.items():
+        if array.dtype == np.float32 and name not in rope and not name.endswith(".sm"):
+            assert array.ndim == 1, f"{name} {array.shape} is a float32 matrix"
+    # What the memory check counts, from shapes and formats, is what is held.
+    held_bytes = sum(a.nbytes for a in registry.values())
+    assert graph_weight_bytes(loaded_config, loaded, packed=True) == held_bytes
+    embed_q, embed_sm = registry["embed_tokens.q"], registry["embed_tokens.sm"]
+    assert embed_q.shape == (config["vocab_size"], config["hidden_size"] // 2)
+    assert embed_sm.shape == (config["vocab_size"], config["hidden_size"] // 32, 2)
+
+
+@pytest.mark.unit
+def test_a_model_the_memory_cannot_hold_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoder refuses weights that need more than the available memory, both
+    figures in the message, before laying out any weight or compiling."""
+    from maxkv.cache.spec import CacheSpec
+    from maxkv.models import memory
+    from maxkv.models.decoder import DecoderModel, cache_params
+
+    path = tmp_path / "tiny-q8.gguf"
+    write_llama_gguf(path, hf_weights(TINY, seed=2), matrix_type="Q8_0")
+    config, weights = load_model(path)
+    needed = graph_weight_bytes(config, weights, packed=True)
+    monkeypatch.setattr(memory, "available_bytes", lambda: needed - 1)
+
+    def no_layout(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were laid out")
+
+    monkeypatch.setattr("maxkv.models.decoder.graph_weights", no_layout)
+    spec = CacheSpec(cache_params(config), config.num_hidden_layers)
+    with pytest.raises(memory.InsufficientMemoryError, match=r"needs 0\.00 GiB .* available"):
+        DecoderModel(config, weights, spec, InferenceSession(devices=[]), output="logits")
+    with pytest.raises(memory.InsufficientMemoryError, match=r"3\.00 GiB of KV cache"):
+        memory.check_fits("a model", 2**30, 3 * 2**30)
+    monkeypatch.setattr(memory, "available_bytes", lambda: needed)
+    memory.check_fits("a model", needed)  # exactly fits
+
+
+@pytest.mark.unit
+def test_available_memory_is_read_on_linux() -> None:
+    from maxkv.models.memory import available_bytes
+
+    available = available_bytes()
+    assert available is not None and 0 < available < 2**50
+
+
+@pytest.mark.unit
+def test_rows_packed_for_the_gather_hold_the_matrix() -> None:
+    """pack_rows' layout, unpacked in NumPy as the embedding graph does, gives the
+    dequantized matrix's values (4 bits: the two halves of a row in one byte)."""
+    rng = np.random.default_rng(3)
+    for bits, block in ((4, 32), (8, 32), (8, 16)):
+        copy = _random_copy(rng, 7, 128, bits, block)
+        q, sm = copy.pack_rows()
+        values = q.astype(np.float32)
+        if bits == 4:
+            high = np.floor(values / 16)
+            values = np.concatenate([values - 16 * high, high], axis=1)
+        blocks = values.reshape(7, 128 // block, block)
+        rows = (blocks * sm[:, :, 0:1] + sm[:, :, 1:2]).reshape(7, 128)
+        np.testing.assert_array_equal(rows, copy.dequantize())
+        assert PackedFormat.of_rows(q.shape, sm.shape, 128) == copy.format
+
+
+def _tile_layout(copy: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's tile layout written out in NumPy (``linear.mojo``'s reads):
+    q ``[tiles, K, 64 bits / 8]``, 4-bit byte j = column j | column j + 32 << 4;
+    sm ``[tiles, K / block, 2, 64]``, zero padding columns."""
+    n, k = copy.shape
+    tiles = -(-n // 64)
+    q = np.zeros((tiles * 64, k), np.uint8)
+    q[:n] = copy.q
+    q = q.reshape(tiles, 64, k).transpose(0, 2, 1)
+    if copy.bits == 4:
+        q = q[..., :32] | (q[..., 32:] << 4)
+    sm = np.zeros((2, tiles * 64, k // copy.block), np.float32)
+    sm[0, :n], sm[1, :n] = copy.scale, copy.offset
+    return q, sm.reshape(2, tiles, 64, -1).transpose(1, 3, 0, 2)
+
+
+@pytest.mark.unit
+def test_matrices_stack_into_tiles_a_piece_at_a_time() -> None:
+    """A stacked matrix laid out from pieces at any row (mid-tile, mixed formats)
+    equals the kernel's layout of the whole (:func:`_tile_layout`)."""
+    rng = np.random.default_rng(4)
+    k = 96
+    parts = [
+        _random_copy(rng, 37, k, 4),
+        _random_copy(rng, 70, k, 8, 16),
+        _random_copy(rng, 5, k, 8),
+        _random_copy(rng, 64, k, 4),
+    ]
+    whole = BlockQuantized.concat(parts)
+    builder = TileBuilder(whole.format, whole.shape[0], k)
+    row = 0
+    for part in parts:
+        cut = part.shape[0] // 3  # two pieces, in reverse order
+        rows = np.arange(part.shape[0])
+        builder.write(row + cut, part.rows(rows[cut:]))
+        builder.write(row, part.rows(rows[:cut]))
+        row += part.shape[0]
+    q, sm = _tile_layout(whole)
+    np.testing.assert_array_equal(builder.q, q)
+    np.testing.assert_array_equal(builder.sm, sm)
+    for got, want in zip(whole.pack(), (q, sm), strict=True):
+        np.testing.assert_array_equal(got, want)
+    four = TileBuilder(PackedFormat(4, 32), 64, k)
+    with pytest.raises(ValueError, match="does not fit"):
+        four.write(0, parts[1])  # 8-bit rows into a 4-bit layout
+    with pytest.raises(ValueError, match="does not fit"):
+        four.write(40, parts[0])  # past the last row
 
 
 @pytest.mark.unit
@@ -180,12 +329,13 @@ def test_bad_blocks_are_refused() -> None:
 def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     config = smollm2.config
     registry = graph_weights(config, smollm2.weights, packed=True, quantized=smollm2.quantized)
-    names = set(matrix_sources(config, packed=True))
+    names = set(matrix_sources(config, packed=True)) | {"embed_tokens"}
     assert {n[: -len(".q")] for n in registry if n.endswith(".q")} == names
     assert not names & set(registry), "a float32 copy beside the blocks"
     q_bytes = sum(a.nbytes for n, a in registry.items() if n.endswith((".q", ".sm")))
     shapes = graph_weight_shapes(config, packed=True)
     f32_bytes = sum(4 * math.prod(shapes[n]) for n in names)
+    assert f32_bytes
     assert q_bytes < f32_bytes / 4
     # A greedy-head graph reads the head in float32 (its exact pass): the head keeps it.
     greedy = graph_weights(

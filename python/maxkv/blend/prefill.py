@@ -44,7 +44,9 @@ class BlendedPrefill:
         device: Device,
     ) -> None:
         self.config = config
-        packed = graph_weights(config, weights, packed=True)
+        # The layer graphs read float32 matrices: held blocks are dequantized here.
+        dense = {name: weights[name] for name in weights}
+        packed = graph_weights(config, dense, packed=True)
         self._arrays = packed
         self.weights = weight_buffers(packed)
         self.graphs = LayerGraphs(config, session, device)

@@ -43,14 +43,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import aligned
+from .arrays import aligned, aligned_zeros
 
 #: Weights per block along the input dimension (the kernel's default; Q6_K's are 16).
 BLOCK = 32
 #: Output columns per packed tile (as :data:`maxkv.ops.PACKED_TILE`).
 TILE = 64
-#: GGML types :func:`from_gguf_blocks` reads.
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 class PackedFormat(NamedTuple):
@@ -82,6 +80,19 @@ class PackedFormat(NamedTuple):
         """``sm``: float32 ``[tiles, K / block, 2, 64]``."""
         return (tiles, k // self.block, 2, TILE)
 
+    def row_q_shape(self, n: int, k: int) -> tuple[int, int]:
+        """``q`` read by rows (:meth:`BlockQuantized.pack_rows`): uint8 ``[N, K * bits / 8]``."""
+        return (n, k * self.bits // 8)
+
+    def row_sm_shape(self, n: int, k: int) -> tuple[int, int, int]:
+        """``sm`` read by rows: float32 ``[N, K / block, 2]``."""
+        return (n, k // self.block, 2)
+
+    @staticmethod
+    def of_rows(q_shape: Sequence[int], sm_shape: Sequence[int], k: int) -> PackedFormat:
+        """The format of a ``(q, sm)`` pair read by rows of ``k`` weights, from their shapes."""
+        return PackedFormat.check(int(q_shape[1]) * 8 // k, k // int(sm_shape[1]))
+
     @staticmethod
     def of(q_shape: Sequence[int], sm_shape: Sequence[int]) -> PackedFormat:
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
@@ -90,6 +101,26 @@ class PackedFormat(NamedTuple):
 
 #: The formats the kernel reads (``mojo_ops/cpu/linear.mojo``).
 PACKED_FORMATS = (PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16))
+
+#: The format :func:`from_gguf_blocks` reads each GGML type in (the module's table).
+GGUF_FORMATS = {
+    "Q4_0": PackedFormat(4, 32),
+    "Q4_1": PackedFormat(4, 32),
+    "Q5_0": PackedFormat(8, 32),
+    "Q5_1": PackedFormat(8, 32),
+    "Q8_0": PackedFormat(8, 32),
+    "Q4_K": PackedFormat(4, 32),
+    "Q5_K": PackedFormat(8, 32),
+    "Q6_K": PackedFormat(8, 16),
+}
+#: GGML types :func:`from_gguf_blocks` reads.
+GGUF_TYPES = tuple(GGUF_FORMATS)
+
+
+def stacked_format(formats: Sequence[PackedFormat]) -> PackedFormat:
+    """The format of matrices stacked by rows: the widest ``bits`` and the smallest
+    ``block`` win (Q4_K rows over Q6_K ones are 8 bits in blocks of 16)."""
+    return PackedFormat.check(max(f.bits for f in formats), min(f.block for f in formats))
 
 
 @dataclass(frozen=True)
@@ -146,6 +177,23 @@ class BlockQuantized:
             self.q, np.repeat(self.scale, times, 1), np.repeat(self.offset, times, 1), 8, block
         )
 
+    def pack_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(q, sm)`` read a row at a time (the embedding's gather).
+
+        ``q`` uint8 ``[N, K * bits / 8]``: with 4 bits, byte ``j`` of a row
+        holds weight ``j`` in its low and weight ``j + K / 2`` in its high
+        nibble; ``sm`` float32 ``[N, K / block, 2]``: each block's scale and
+        offset.  (Shapes: :meth:`PackedFormat.row_q_shape`, ``row_sm_shape``.)
+        """
+        n, k = self.shape
+        q = self.q
+        if self.bits == 4:
+            q = q[:, : k // 2] | (q[:, k // 2 :] << 4)
+        sm = np.stack([self.scale, self.offset], axis=-1)
+        assert q.shape == self.format.row_q_shape(n, k)
+        assert sm.shape == self.format.row_sm_shape(n, k)
+        return aligned(q), aligned(sm)
+
     def dequantize(self) -> np.ndarray:
         """The float32 ``[N, K]`` matrix: ``q * scale + offset`` in float32.
 
@@ -178,40 +226,73 @@ class BlockQuantized:
     def concat(parts: Sequence[BlockQuantized]) -> BlockQuantized:
         """Stacks matrices of one ``K`` by rows (as ``np.concatenate``): widest ``bits``
         and smallest ``block`` win (Q5_0 and Q6_K rows stack as 8 bits in blocks of 16)."""
-        block = min(p.block for p in parts)
-        parts = [p.with_block(block) for p in parts]
+        fmt = stacked_format([p.format for p in parts])
+        parts = [p.with_block(fmt.block) for p in parts]
         return BlockQuantized(
             np.concatenate([p.q for p in parts]),
             np.concatenate([p.scale for p in parts]),
             np.concatenate([p.offset for p in parts]),
-            max(p.bits for p in parts),
-            block,
+            fmt.bits,
+            fmt.block,
         )
 
     def pack(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(q, sm)`` as :func:`maxkv.ops.linear_packed` takes them.
-
-        ``q`` uint8 ``[ceil(N / 64), K, 64 * bits / 8]``: tile ``t``, row ``k``
-        holds the integers of columns ``64 t ..``; with 4 bits, byte ``j``
-        holds column ``j`` in its low and column ``j + 32`` in its high
-        nibble.  ``sm`` float32 ``[ceil(N / 64), K / block, 2, 64]``: each
-        block's scales, then offsets.  Padding columns are zero.
-        """
+        """``(q, sm)`` as :func:`maxkv.ops.linear_packed` takes them (see
+        :class:`TileBuilder`, which lays them out)."""
         n, k = self.shape
+        builder = TileBuilder(self.format, n, k)
+        builder.write(0, self)
+        return builder.q, builder.sm
+
+
+class TileBuilder:
+    """The tile layout :func:`maxkv.ops.linear_packed` reads, filled a row range at a time.
+
+    ``q`` uint8 ``[ceil(N / 64), K, 64 * bits / 8]``: tile ``t``, row ``k``
+    holds the integers of columns ``64 t ..``; with 4 bits, byte ``j`` holds
+    column ``j`` in its low and column ``j + 32`` in its high nibble.  ``sm``
+    float32 ``[ceil(N / 64), K / block, 2, 64]``: each block's scales, then
+    offsets.  Padding columns are zero.  Rows may come in any pieces, each
+    once (:meth:`write`), so a large matrix is never held unpacked whole.
+    """
+
+    def __init__(self, fmt: PackedFormat, n: int, k: int) -> None:
+        self.format, self.n, self.k = fmt, n, k
         tiles = -(-n // TILE)
-        blocks = k // self.block
-        q = np.zeros((tiles * TILE, k), np.uint8)
-        q[:n] = self.q
-        q_packed = q.reshape(tiles, TILE, k).transpose(0, 2, 1)
-        if self.bits == 4:
-            q_packed = q_packed[..., : TILE // 2] | (q_packed[..., TILE // 2 :] << 4)
-        sm = np.zeros((2, tiles * TILE, blocks), np.float32)
-        sm[0, :n] = self.scale
-        sm[1, :n] = self.offset
-        sm_packed = sm.reshape(2, tiles, TILE, blocks).transpose(1, 3, 0, 2)
-        assert q_packed.shape == self.format.q_shape(tiles, k)
-        assert sm_packed.shape == self.format.sm_shape(tiles, k)
-        return aligned(q_packed), aligned(sm_packed)
+        self.q = aligned_zeros(fmt.q_shape(tiles, k), np.uint8)
+        self.sm = aligned_zeros(fmt.sm_shape(tiles, k), np.float32)
+
+    def write(self, row: int, part: BlockQuantized) -> None:
+        """Lays out ``part``'s rows as rows ``row ..`` of the matrix.
+
+        Raises:
+            ValueError: If ``part`` does not fit (rows, ``K``, wider integers
+                or blocks that cannot be split into the format's).
+        """
+        n, k = part.shape
+        if k != self.k or not 0 <= row <= row + n <= self.n or part.bits > self.format.bits:
+            raise ValueError(
+                f"a {part.bits}-bit [{n}, {k}] part does not fit rows {row}.. of a "
+                f"{self.format.bits}-bit [{self.n}, {self.k}] matrix"
+            )
+        part = part.with_block(self.format.block)
+        half = TILE // 2
+        for tile in range(row // TILE, -(-(row + n) // TILE)):
+            first, last = max(row, tile * TILE), min(row + n, (tile + 1) * TILE)
+            rows = slice(first - row, last - row)
+            cols = slice(first - tile * TILE, last - tile * TILE)
+            self.sm[tile, :, 0, cols] = part.scale[rows].T
+            self.sm[tile, :, 1, cols] = part.offset[rows].T
+            q = part.q[rows].T  # [K, columns]
+            if self.format.bits == 8:
+                self.q[tile, :, cols] = q
+                continue
+            for nibble, (lo, hi) in enumerate(((0, half), (half, TILE))):
+                a, b = max(cols.start, lo), min(cols.stop, hi)
+                if a < b:
+                    self.q[tile, :, a - lo : b - lo] |= q[:, a - cols.start : b - cols.start] << (
+                        4 * nibble
+                    )
 
 
 def _exact_products(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:

@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     export_parser.add_argument("model", help="a known model name, a .gguf file or a directory")
     export_parser.add_argument("directory", type=Path, help="a new (or empty) directory")
+    export_parser.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="configuration and tokenizer only (for --model-path DIR --weight-path FILE.gguf)",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -41,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             from .export import export_hf_directory
             from .resolve import open_model
 
-            path = export_hf_directory(open_model(args.model), args.directory)
+            loaded = open_model(args.model)
+            path = export_hf_directory(loaded, args.directory, weights=not args.no_weights)
         else:
             path = fetch(args.name, progress=not args.quiet, verify=args.verify)
     except (ModelFetchError, ModelLoadError) as error:

@@ -73,12 +73,33 @@ class Blocks:
         )
 
     def embed(self, tokens: TensorValue) -> TensorValue:
-        """int64 ``[T]`` -> ``[T, H]``: the embedding rows, scaled by ``embed_scale``."""
-        h = ops.gather(self.weight("embed_tokens"), tokens, axis=0)
+        """int64 ``[T]`` -> ``[T, H]``: the embedding rows, scaled by ``embed_scale``.
+
+        Held as the file stores it (``embed_tokens`` in ``quant_formats``), each
+        row's blocks are gathered and dequantized, ``q * scale + offset``
+        (:meth:`~maxkv.cpu.quantized.BlockQuantized.pack_rows`; the product is
+        exact, so the values are the dequantized table's)."""
+        fmt = self.quant_formats.get("embed_tokens")
+        if fmt is None:
+            h = ops.gather(self.weight("embed_tokens"), tokens, axis=0)
+        else:
+            h = self._gather_blocks(tokens, fmt)
         scale = self.config.embed_scale
         if scale is not None:
             h = h * ops.constant(scale, h.dtype, device=h.device)
         return h
+
+    def _gather_blocks(self, tokens: TensorValue, fmt: PackedFormat) -> TensorValue:
+        """float32 ``[T, H]``: rows ``tokens`` of the embedding held as blocks."""
+        h, t = self.config.hidden_size, tokens.shape[0]
+        q = ops.cast(ops.gather(self.weight("embed_tokens.q"), tokens, axis=0), DType.float32)
+        if fmt.bits == 4:  # byte j: weight j (low nibble), weight j + H / 2 (high)
+            high = ops.floor(q * ops.constant(1 / 16, DType.float32, device=q.device))
+            low = q - high * ops.constant(16, DType.float32, device=q.device)
+            q = ops.concat([low, high], axis=1)
+        sm = ops.gather(self.weight("embed_tokens.sm"), tokens, axis=0)  # [T, H / block, 2]
+        blocks = ops.reshape(q, [t, h // fmt.block, fmt.block])
+        return ops.reshape(blocks * sm[:, :, 0:1] + sm[:, :, 1:2], [t, h])
 
     def qkv(self, x: TensorValue, layer: int) -> TensorValue:
         """Normed input ``[T, H]`` -> ``[T, (heads + 2 kv_heads) * head_dim]``: the Q, K, V

@@ -262,22 +262,31 @@ LlamaConfig = DecoderConfig
 Weights = dict[str, np.ndarray]
 
 
-def check_weights(config: DecoderConfig, weights: Mapping[str, np.ndarray]) -> Weights:
+def check_weights(
+    config: DecoderConfig,
+    weights: Mapping[str, np.ndarray],
+    held: Mapping[str, tuple[int, ...]] | None = None,
+) -> Weights:
     """Float32 copies of the weights ``config`` needs, with shapes checked.
+
+    ``held``: name -> shape of the weights held elsewhere, as their file
+    stores them (:class:`~maxkv.models.held.HeldWeights`): checked by shape,
+    neither read nor returned.
 
     Raises:
         ModelLoadError: If a weight is missing or has the wrong shape.
     """
+    held = held or {}
     checked: Weights = {}
     for name, shape in config.weight_shapes().items():
-        if name not in weights:
+        if name not in weights and name not in held:
             raise ModelLoadError(f"weight {name} is missing")
-        array = np.asarray(weights[name])
-        if tuple(array.shape) != shape:
-            raise ModelLoadError(
-                f"weight {name} has shape {tuple(array.shape)}, config implies {shape}"
-            )
-        checked[name] = np.ascontiguousarray(array, dtype=np.float32)
+        array = None if name in held else np.asarray(weights[name])
+        actual = tuple(held[name] if array is None else array.shape)
+        if actual != shape:
+            raise ModelLoadError(f"weight {name} has shape {actual}, config implies {shape}")
+        if array is not None:
+            checked[name] = np.ascontiguousarray(array, dtype=np.float32)
     return checked
 
 

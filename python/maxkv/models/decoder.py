@@ -17,6 +17,7 @@ kernels, the GPU's usual dtype; on the CPU too, slowly).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,14 +31,16 @@ from .. import ops as kvops
 from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
-from ..cpu.arrays import aligned
-from ..cpu.quantized import BlockQuantized, PackedFormat
+from ..cpu.arrays import aligned, aligned_zeros
+from ..cpu.quantized import BlockQuantized, PackedFormat, TileBuilder, stacked_format
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
 from ..kernels import kernels_path, load_graph
 from .blocks import Blocks
 from .config import DecoderConfig, check_weights
+from .held import FileBlocks, HeldWeights, check_held
+from .memory import check_fits
 
 
 def cache_params(
@@ -150,13 +153,17 @@ def graph_weights(
     for :func:`maxkv.ops.linear_packed`; otherwise they stay ``[out, in]``
     (``x @ w.T``).  The RoPE table covers the model's whole context.
 
-    ``quantized`` (CPU only): block-quantized copies of some weights (Hugging
-    Face names, e.g. from :func:`~maxkv.models.gguf_file.read_gguf_quantized`).
-    A matrix all of whose sources have one, and whose stacked copy holds
-    exactly its float32 values (checked weight by weight), is held as that
-    copy alone, ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`),
-    with no float32 ``<name>``: every step reads it, with the float32
-    results' bits (:func:`maxkv.ops.linear_packed`).
+    ``weights`` a :class:`~maxkv.models.held.HeldWeights` (a GGUF file's): a
+    matrix all of whose sources are held as blocks is packed from them alone,
+    ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`), with no
+    float32 ``<name>``, and no float32 copy made on the way: every step reads
+    it, with the float32 results' bits (:func:`maxkv.ops.linear_packed`).
+    The held matrices are read one at a time and their file pages released
+    after.  ``quantized`` (CPU only): block-quantized copies of some float32
+    weights (Hugging Face names); a matrix whose stacked copy holds exactly
+    its float32 values (checked weight by weight) is held as that copy alone
+    the same way.  Other matrices of held sources (stacked with a dense one,
+    or the greedy head's) are dequantized.
 
     ``greedy_head`` (CPU only): also ``lm_head.greedy_q`` and
     ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
@@ -173,20 +180,34 @@ def graph_weights(
         raise ValueError(f"the model computes in one of {MODEL_DTYPES}, not {dtype}")
     if dtype != DType.float32 and packed:
         raise ValueError("packed weights are float32")
-    w = check_weights(config, weights)
+    held: FileBlocks | None = None
+    w: Mapping[str, np.ndarray]
+    if isinstance(weights, HeldWeights):
+        w = check_held(config, weights)
+        held = weights.blocks
+    else:
+        w = check_weights(config, weights)
     out: dict[str, np.ndarray] = config.rope_tables()
-    out |= {name: w[source] for name, source in vector_sources(config).items()}
+    quant_formats: dict[str, PackedFormat] = {}
+    from_blocks = held_formats(config, held, greedy_head=greedy_head) if packed and held else {}
+    for name, source in vector_sources(config).items():
+        if held and name in from_blocks:  # gathered from its blocks
+            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_rows(held, source)
+        else:
+            out[name] = w[source]
     if config.qkv_bias:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
             out[f"layers.{i}.qkv_bias"] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
-    quant_formats: dict[str, PackedFormat] = {}
     for name, parts in matrix_sources(config, packed=packed).items():
+        # The greedy head's exact pass reads the head in float32.
+        as_copy = packed and not (greedy_head and name == "lm_head")
+        if held and name in from_blocks:  # the file's blocks, read by every step
+            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_tiles(held, parts)
+            continue
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-        # The greedy head's exact pass reads the head in float32.
-        skip = greedy_head and name == "lm_head"
-        if packed and quantized and not skip and all(part in quantized for part in parts):
+        if as_copy and quantized and all(part in quantized for part in parts):
             copy = BlockQuantized.concat([quantized[part] for part in parts])
             if copy.exactly(matrix):  # held as the file stores it: no float32 copy
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
@@ -198,6 +219,8 @@ def graph_weights(
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
         head = matrix_sources(config, packed=True)["lm_head"][0]
         out["lm_head.greedy_q"], out["lm_head.greedy_info"] = kvops.pack_greedy_head(w[head])
+    if held is not None:
+        held.release()
     # On a cache line each: MAX hands these arrays to the kernels where they lie.
     prepared = {name: aligned(a, _weight_dtype(name).to_numpy()) for name, a in out.items()}
     expected = graph_weight_shapes(
@@ -212,6 +235,80 @@ def graph_weights(
     }
 
 
+def held_formats(
+    config: DecoderConfig, blocks: FileBlocks, *, greedy_head: bool = False
+) -> dict[str, PackedFormat]:
+    """The graph weights a packed graph lays out from ``blocks`` (the matrices a
+    file holds as blocks) and their formats: ``embed_tokens`` (read by rows),
+    and every matrix of :func:`matrix_sources` all of whose parts are held
+    (but the head of a ``greedy_head`` graph, read in float32)."""
+    formats: dict[str, PackedFormat] = {}
+    embed = vector_sources(config)["embed_tokens"]
+    if embed in blocks:
+        formats["embed_tokens"] = blocks.format(embed)
+    for name, parts in matrix_sources(config, packed=True).items():
+        if not (greedy_head and name == "lm_head") and all(p in blocks for p in parts):
+            formats[name] = stacked_format([blocks.format(part) for part in parts])
+    return formats
+
+
+def graph_weight_bytes(
+    config: DecoderConfig,
+    weights: Mapping[str, np.ndarray],
+    *,
+    packed: bool,
+    greedy_head: bool = False,
+    dtype: DType = DType.float32,
+) -> int:
+    """The bytes :func:`graph_weights` will hold for these weights, computed from
+    shapes and formats alone (nothing is read): what the model needs beyond its
+    KV cache (:func:`maxkv.models.memory.check_fits`)."""
+    formats: Mapping[str, PackedFormat] = {}
+    if packed and isinstance(weights, HeldWeights):
+        formats = held_formats(config, weights.blocks, greedy_head=greedy_head)
+    shapes = graph_weight_shapes(
+        config, packed=packed, quant_formats=formats, greedy_head=greedy_head
+    )
+    return sum(
+        math.prod(shape) * _weight_dtype(name, dtype).size_in_bytes
+        for name, shape in shapes.items()
+    )
+
+
+#: Rows of a held matrix read from its file at a time while packing: what a load
+#: holds beyond the packed weights (Q6_K: 2.5 bytes a weight, ~40 MB at K = 4096).
+PACK_ROWS = 4096
+
+
+def _held_tiles(blocks: FileBlocks, parts: Sequence[str]) -> tuple[Any, Any, PackedFormat]:
+    """``(q, sm, format)``: held matrices ``parts`` stacked by rows in the tile layout
+    (:class:`~maxkv.cpu.quantized.TileBuilder`), read :data:`PACK_ROWS` rows at a time."""
+    fmt = stacked_format([blocks.format(part) for part in parts])
+    builder = TileBuilder(fmt, sum(blocks.shape(p)[0] for p in parts), blocks.shape(parts[0])[1])
+    row = 0
+    for part in parts:
+        n = blocks.shape(part)[0]
+        for start in range(0, n, PACK_ROWS):
+            builder.write(row + start, blocks.read(part, start, min(n, start + PACK_ROWS)))
+        blocks.release(part)
+        row += n
+    return builder.q, builder.sm, fmt
+
+
+def _held_rows(blocks: FileBlocks, name: str) -> tuple[Any, Any, PackedFormat]:
+    """``(q, sm, format)``: held matrix ``name`` laid out to be read by rows
+    (:meth:`~maxkv.cpu.quantized.BlockQuantized.pack_rows`), :data:`PACK_ROWS` at a time."""
+    fmt = blocks.format(name)
+    n, k = blocks.shape(name)
+    q = aligned_zeros(fmt.row_q_shape(n, k), np.uint8)
+    sm = aligned_zeros(fmt.row_sm_shape(n, k), np.float32)
+    for start in range(0, n, PACK_ROWS):
+        stop = min(n, start + PACK_ROWS)
+        q[start:stop], sm[start:stop] = blocks.read(name, start, stop).pack_rows()
+    blocks.release(name)
+    return q, sm, fmt
+
+
 def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     """The dtype of graph weight ``name`` in a ``dtype`` model: uint8 for the
     quantized copies, float32 for the RoPE table and the greedy head's scales."""
@@ -222,13 +319,22 @@ def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     return dtype
 
 
-def quantized_formats(registry: Mapping[str, Any]) -> dict[str, PackedFormat]:
-    """Matrix name -> layout of its quantized copy in a :func:`graph_weights` registry."""
-    return {
-        name[: -len(".q")]: PackedFormat.of(a.shape, registry[name[: -len(".q")] + ".sm"].shape)
-        for name, a in registry.items()
-        if name.endswith(".q")
-    }
+def quantized_formats(
+    registry: Mapping[str, Any], config: DecoderConfig
+) -> dict[str, PackedFormat]:
+    """Matrix name -> layout of its quantized copy in a :func:`graph_weights` registry
+    of ``config``'s weights (``embed_tokens``: the table read by rows)."""
+    formats = {}
+    for name, q in registry.items():
+        if not name.endswith(".q"):
+            continue
+        matrix = name[: -len(".q")]
+        sm = registry[matrix + ".sm"]
+        if matrix == "embed_tokens":
+            formats[matrix] = PackedFormat.of_rows(q.shape, sm.shape, config.hidden_size)
+        else:
+            formats[matrix] = PackedFormat.of(q.shape, sm.shape)
+    return formats
 
 
 def graph_weight_shapes(
@@ -283,6 +389,11 @@ def graph_weight_shapes(
                 f"layers.{i}.post_ff_norm": (c.hidden_size,),
             }
     for name, fmt in (quant_formats or {}).items():  # held as the copy alone
+        if name == "embed_tokens":  # read by rows
+            n, k = shapes.pop(name)
+            shapes[f"{name}.q"] = fmt.row_q_shape(n, k)
+            shapes[f"{name}.sm"] = fmt.row_sm_shape(n, k)
+            continue
         tiles, _, k, _ = shapes.pop(name)
         shapes[f"{name}.q"] = fmt.q_shape(tiles, k)
         shapes[f"{name}.sm"] = fmt.sm_shape(tiles, k)
@@ -454,14 +565,18 @@ class DecoderModel:
     its float32 logits ``[batch, vocab]``.
 
     Weights are graph weights, so one compiled graph serves every model of
-    the same configuration (and the same quantized copies).  ``quantized``
-    (CPU): block-quantized copies of the weights, as
-    :meth:`maxkv.models.LoadedModel.quantized` holds for GGUF files; those
-    exactly equal to the float32 weights are read by steps of at most 8 rows
-    (see :func:`graph_weights`), with the same results.  With
-    ``output="tokens"`` on an x86 CPU with AVX-512 VNNI or AVX2 the tokens
-    come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the same
-    tokens as the argmax of every logit at a fraction of the LM head's work.
+    the same configuration (and the same formats).  ``weights`` a
+    :class:`~maxkv.models.held.HeldWeights` (a GGUF file's, as
+    :func:`~maxkv.models.load_model` returns them): the matrices and the
+    embedding it holds as blocks stay so, read by every step with the float32
+    results (see :func:`graph_weights`); ``quantized``: block-quantized copies
+    of float32 weights, used where exactly equal.  With ``output="tokens"`` on
+    an x86 CPU with AVX-512 VNNI or AVX2, and a head held in float32, the
+    tokens come from :func:`maxkv.ops.greedy_head` (:attr:`greedy_head`), the
+    same tokens as the argmax of every logit at a fraction of the LM head's
+    work.  Before laying out any weight on the CPU the model checks that the
+    machine has the memory for them
+    (:class:`~maxkv.models.memory.InsufficientMemoryError` if not).
 
     The model computes in the cache's dtype (:data:`MODEL_DTYPES`): float32,
     or bfloat16 through MAX's kernels (a GPU's dtype; on the CPU it runs, slowly).
@@ -546,15 +661,24 @@ class DecoderModel:
         ref = DeviceRef.from_device(device)
         packed = uses_packed_kernels(ref, dtype)
         #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
+        head = matrix_sources(config, packed=True)["lm_head"][0]
         self.greedy_head = (
             packed
             and prepared is None
             and output == "tokens"
             and config.hidden_size % 4 == 0
+            # A head held as the file's blocks is read as such (its argmax): the
+            # greedy head's exact pass would need a float32 copy beside it.
+            and not (isinstance(weights, HeldWeights) and head in weights.blocks)
             and kvops.greedy_head_supported()
         )
         registry: Mapping[str, Any]
         if weights is not None:
+            needed = graph_weight_bytes(
+                config, weights, packed=packed, greedy_head=self.greedy_head, dtype=dtype
+            )
+            if device.label == "cpu":  # refused before anything large is allocated
+                check_fits(f"the {config.family} model", needed)
             registry = graph_weights(
                 config,
                 weights,
@@ -567,7 +691,7 @@ class DecoderModel:
             assert prepared is not None
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
         #: Matrix name -> layout of the quantized copy it is held as (no float32 copy).
-        self.quant_formats = quantized_formats(registry)
+        self.quant_formats = quantized_formats(registry, config)
         graph = build_decoder_graph(
             config,
             params,

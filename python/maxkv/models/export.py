@@ -5,7 +5,8 @@ pipeline, and for ``max serve --model-path DIR --weight-path FILE.gguf`` (MAX
 reads the configuration from ``DIR``, maxkv the weights from the file):
 ``python -m maxkv.models export gemma3-270m DIR`` writes ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (the dequantized float32
-weights under Hugging Face names) and the tokenizer files.  A GGUF file's
+weights under Hugging Face names; ``--no-weights`` leaves it out) and the
+tokenizer files.  A GGUF file's
 ``config.json`` is the one transformers' GGUF loader builds from its metadata
 (:func:`~maxkv.models.gguf_file.hf_config_from_metadata`), for every family;
 a directory's is written as a ``LlamaForCausalLM`` (plain Llamas only).
@@ -75,8 +76,12 @@ def llama_config_json(config: DecoderConfig, torch_dtype: str = "float32") -> di
     }
 
 
-def export_hf_directory(model: LoadedModel, directory: str | Path) -> Path:
+def export_hf_directory(model: LoadedModel, directory: str | Path, *, weights: bool = True) -> Path:
     """Writes ``model`` as a Hugging Face directory; returns it.
+
+    ``weights=False``: the configuration and tokenizer only, what
+    ``max serve --model-path DIR --weight-path FILE.gguf`` reads from ``DIR``
+    (no float32 copy of a large model on disk, nor in memory while writing it).
 
     Raises:
         ModelLoadError: If ``directory`` exists and is not empty.
@@ -91,8 +96,9 @@ def export_hf_directory(model: LoadedModel, directory: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    tensors = {n: np.ascontiguousarray(a, np.float32) for n, a in model.weights.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = {n: np.ascontiguousarray(a, np.float32) for n, a in model.weights.items()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if model.tokenizer is not None:
         model.tokenizer.tokenizer.save_pretrained(str(out))
         # The file's own EOS (not the converted tokenizer's guess) ends generation.

@@ -3,8 +3,10 @@
 Read with the ``gguf`` package (installed with MAX) the way transformers' GGUF
 loader reads them (its mapping is the reference): the metadata becomes a
 ``config.json`` dict through transformers' own ``GGUF_CONFIG_MAPPING``, read by
-the family's configuration reader like any checkpoint's; every tensor is
-dequantized to float32 with ``gguf.quants.dequantize``; what llama.cpp's
+the family's configuration reader like any checkpoint's; the block-quantized
+matrices maxkv's kernels read stay in the mapped file as their blocks
+(:mod:`maxkv.models.held`), every other tensor is dequantized to float32 with
+``gguf.quants.dequantize``; what llama.cpp's
 converter changed is undone as transformers undoes it (the row permutation of
 Llama's ``attn_q`` and ``attn_k``: its converter interleaves the two RoPE
 halves of each head, maxkv like Hugging Face rotates ``(x[i], x[i + head_dim
@@ -23,9 +25,10 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..cpu.quantized import GGUF_TYPES, BlockQuantized, from_gguf_blocks
-from .config import DecoderConfig, ModelLoadError, Weights, check_weights
+from ..cpu.quantized import GGUF_TYPES
+from .config import DecoderConfig, ModelLoadError, Weights
 from .family import Family, GGUFLayout, gguf_families
+from .held import FileBlocks, HeldTensor, HeldWeights, check_held
 
 #: The tensors outside the layers, GGUF name -> Hugging Face name (every family).
 _GLOBAL_NAMES = {
@@ -226,16 +229,53 @@ class _File:
             return shifted
         return array
 
+    def blocks(self) -> FileBlocks:
+        """The matrices of :data:`~maxkv.cpu.quantized.GGUF_TYPES`, read when asked for."""
+        import gguf
+
+        held: dict[str, HeldTensor] = {}
+        for tensor in self.reader.tensors:
+            name = self.hf_name(tensor.name)
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            type_name = tensor.tensor_type.name
+            if name is None or len(shape) != 2 or type_name not in GGUF_TYPES:
+                continue
+            per_block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            n, k = shape
+            if k % per_block or tensor.n_bytes != n * (k // per_block) * size:
+                raise ModelLoadError(f"{tensor.name}'s bytes do not hold a {type_name} {shape}")
+            heads = None
+            if self.layout.permuted_qk and name.endswith("q_proj.weight"):
+                heads = self.config.num_attention_heads
+            elif self.layout.permuted_qk and name.endswith("k_proj.weight"):
+                heads = self.config.num_key_value_heads
+            order = None
+            if heads is not None:
+                order = unpermute_rope_rows(np.arange(n)[:, None], heads)[:, 0]
+            raw = np.asarray(tensor.data, np.uint8).reshape(n, -1)
+            span = (int(tensor.data_offset), int(tensor.n_bytes))
+            held[name] = HeldTensor(type_name, (n, k), raw, span, order)
+        return FileBlocks(held, getattr(self.reader.data, "_mmap", None))
+
 
 def read_gguf(
     path: str | Path, progress: Callable[[int, int], None] | None = None
-) -> tuple[DecoderConfig, Weights]:
-    """Loads a GGUF file of any family with a GGUF layout: configuration and float32
-    weights (Hugging Face names).
+) -> tuple[DecoderConfig, HeldWeights]:
+    """Loads a GGUF file of any family with a GGUF layout: its configuration and
+    weights (Hugging Face names), parsing the file once.
+
+    Every matrix of a type in :data:`maxkv.cpu.quantized.GGUF_TYPES` (Q4_0,
+    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays in the mapped file as
+    its blocks (:class:`~maxkv.models.held.FileBlocks`, Q and K rows
+    unpermuted when read); every other tensor (norms, float16 or float32
+    matrices, the block types maxkv's kernels do not read) is dequantized to
+    float32 with ``gguf.quants.dequantize`` and llama.cpp's changes undone.
+    A held matrix read as float32 (``weights[name]``) is exactly what
+    ``gguf.quants.dequantize`` gives for its bytes.
 
     Args:
         path: The ``.gguf`` file.
-        progress: Called with (tensors done, tensors in all) while dequantizing.
+        progress: Called with (tensors done, tensors in all).
 
     Raises:
         ModelLoadError: On a missing, truncated or corrupt file, another
@@ -260,59 +300,34 @@ def read_gguf(
             f"{file.path.name} uses tensor type {', '.join(bad_types)}, which maxkv cannot "
             f"dequantize (supported: {', '.join(supported_tensor_types())})"
         )
-    weights: Weights = {}
+    blocks = file.blocks()
+    dense: Weights = {}
     for done, tensor in enumerate(reader.tensors, 1):
         name = file.hf_name(tensor.name)
         assert name is not None
-        try:
-            array = quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as error:
-            raise ModelLoadError(
-                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}"
-            ) from None
-        expected = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 first
-        array = np.asarray(array, dtype=np.float32).reshape(expected)
-        weights[name] = file.restore(tensor.name, name, array)
+        if name not in blocks:
+            try:
+                array = quants.dequantize(tensor.data, tensor.tensor_type)
+            except Exception as error:
+                raise ModelLoadError(
+                    f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}"
+                ) from None
+            expected = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 first
+            array = np.asarray(array, dtype=np.float32).reshape(expected)
+            dense[name] = file.restore(tensor.name, name, array)
         if progress is not None:
             progress(done, len(reader.tensors))
-    return config, check_weights(config, weights)
+    return config, check_held(config, HeldWeights(dense, blocks))
 
 
-def read_gguf_quantized(path: str | Path) -> dict[str, BlockQuantized]:
-    """The block-quantized matrices of a GGUF file, as stored (Hugging Face names).
-
-    Every 2-D tensor of a type in :data:`maxkv.cpu.quantized.GGUF_TYPES` (Q4_0,
-    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as a
-    :class:`~maxkv.cpu.quantized.BlockQuantized` ``[N, K]``, Q and K rows
-    unpermuted as :func:`read_gguf` does; other types are left out.  What
-    :func:`read_gguf` returns for these tensors is exactly their
-    :meth:`~maxkv.cpu.quantized.BlockQuantized.dequantize`.
+def read_gguf_quantized(path: str | Path) -> FileBlocks:
+    """The block-quantized matrices of a GGUF file, as stored (Hugging Face names):
+    what :func:`read_gguf` holds as blocks (its ``weights.blocks``).
 
     Raises:
         ModelLoadError: On a file :func:`read_gguf` would refuse.
     """
-    file = _File(Path(path))
-    config = file.config
-    out: dict[str, BlockQuantized] = {}
-    for tensor in file.reader.tensors:
-        name = file.hf_name(tensor.name)
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if name is None or len(shape) != 2 or tensor.tensor_type.name not in GGUF_TYPES:
-            continue
-        try:
-            matrix = from_gguf_blocks(tensor.tensor_type.name, tensor.data, (shape[0], shape[1]))
-        except ValueError as error:
-            raise ModelLoadError(f"cannot read {tensor.name}: {error}") from None
-        heads = None
-        if file.layout.permuted_qk and name.endswith("q_proj.weight"):
-            heads = config.num_attention_heads
-        elif file.layout.permuted_qk and name.endswith("k_proj.weight"):
-            heads = config.num_key_value_heads
-        if heads is not None:
-            order = unpermute_rope_rows(np.arange(shape[0])[:, None], heads)[:, 0]
-            matrix = matrix.rows(order)
-        out[name] = matrix
-    return out
+    return _File(Path(path)).blocks()
 
 
 def find_gguf(directory: Path) -> Path | None:

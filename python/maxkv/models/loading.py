@@ -5,14 +5,15 @@
 Llama ``.gguf`` file, or a directory holding one ``.gguf`` (and no
 ``config.json``); :func:`resolve_model` also accepts the name of a model
 maxkv can fetch (:mod:`maxkv.models.fetch`).  Weights stored as float32,
-float16 or bfloat16 load as float32: the CPU computes in float32.
+float16 or bfloat16 load as float32: the CPU computes in float32; a GGUF's
+block-quantized matrices stay as their blocks (:mod:`maxkv.models.held`).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,12 @@ def model_file(path: str | Path) -> Path:
 
 def load_model(
     path: str | Path, progress: Callable[[int, int], None] | None = None
-) -> tuple[DecoderConfig, Weights]:
-    """Loads a model: configuration and float32 weights under Hugging Face names.
+) -> tuple[DecoderConfig, Mapping[str, np.ndarray]]:
+    """Loads a model: configuration and weights under Hugging Face names.
+
+    The weights read as float32 arrays; a GGUF file's are a
+    :class:`~maxkv.models.held.HeldWeights`, whose block-quantized matrices
+    stay as the file stores them until read.
 
     Args:
         path: A Hugging Face directory (``config.json`` + ``*.safetensors``),

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..cpu.quantized import BlockQuantized
-from .config import DecoderConfig, Weights, default_llama
+from .config import DecoderConfig, default_llama
 from .fetch import KNOWN_MODELS, fetch
-from .gguf_file import read_gguf_quantized
+from .held import HeldWeights
 from .loading import load_model, model_file
 from .tokenizer import ChatTokenizer, load_tokenizer
 
@@ -26,15 +28,16 @@ class LoadedModel:
     #: What the user asked for: a known name, ``"tiny"`` or a path.
     spec: str
     config: DecoderConfig
-    weights: Weights
+    #: Float32 arrays under Hugging Face names; a GGUF file's are a
+    #: :class:`~maxkv.models.held.HeldWeights` (its matrices as the file stores them).
+    weights: Mapping[str, np.ndarray]
     #: ``None`` for ``tiny``.
     tokenizer: ChatTokenizer | None
     #: The file or directory loaded (``None`` for ``tiny``).
     path: Path | None
-    #: Block-quantized copies of the weights as a GGUF file stores them
-    #: (:func:`~maxkv.models.gguf_file.read_gguf_quantized`; empty otherwise):
-    #: pass them to :class:`~maxkv.models.DecoderModel` for faster small steps.
-    quantized: dict[str, BlockQuantized] = field(default_factory=dict)
+    #: The matrices a GGUF file holds as blocks (``weights.blocks``; empty
+    #: otherwise), read when asked for.
+    quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
 
     @property
     def description(self) -> str:
@@ -85,12 +88,11 @@ def open_model(
     """
     path = model_path(spec, progress=progress)
     if path is None:
-        config, weights = default_llama()
-        return LoadedModel(TINY, config, weights, None, None)
+        config, tiny = default_llama()
+        return LoadedModel(TINY, config, tiny, None, None)
     config, weights = load_model(path, on_tensor)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
-    source = model_file(path)
-    quantized = read_gguf_quantized(source) if source.is_file() else {}
+    quantized = weights.blocks if isinstance(weights, HeldWeights) else {}
     return LoadedModel(str(spec), config, weights, tokenizer, path, quantized)
 
 

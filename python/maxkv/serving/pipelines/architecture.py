@@ -17,7 +17,6 @@ import numpy as np
 from max.driver import Buffer
 from max.graph.weights import WeightsFormat
 from max.pipelines.context import GenerationStatus
-from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.lib.log_probabilities import compute_log_probabilities_ragged
 from max.pipelines.lib.pipeline_variants import text_generation
@@ -29,7 +28,13 @@ from ...models.registry import registered_architectures
 from .api import MaxkvTextTokenizer
 from .context import MaxkvTextContext
 from .kv_adapter import MaxkvKVManager
-from .model import MaxkvArchConfig, MaxkvPipelineModel, accept_maxkv_formats, host_array
+from .model import (
+    MaxkvArchConfig,
+    MaxkvMemoryPlanner,
+    MaxkvPipelineModel,
+    accept_maxkv_formats,
+    host_array,
+)
 from .speculation import ServeSpeculation, SpeculationMetrics, completes_stop_string
 
 
@@ -273,7 +278,7 @@ def maxkv_architecture(name: str) -> SupportedArchitecture:
         default_weights_format=WeightsFormat.safetensors,
         task=PipelineTask.TEXT_GENERATION,
         config=MaxkvArchConfig,
-        memory_planner=PagedMemoryPlanner,
+        memory_planner=MaxkvMemoryPlanner,
         pipeline_cls=MaxkvTextGenerationPipeline,
         supports_overlap_scheduler=False,
         supports_device_graph_capture=False,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from max.dtype import DType
 from max.nn.transformer import ReturnLogits
 from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.context import TextContext
+from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib.interfaces import ModelInputs, ModelOutputs, PipelineModelWithKVCache
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
@@ -58,9 +60,11 @@ from ...cache.protocol import KVCacheManagerBase
 from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
 from ...events.wire import AllBlocksCleared
-from ...models.decoder import DecoderModel, cache_params
-from ...models.gguf_file import read_gguf_quantized
+from ...models.config import DecoderConfig, ModelLoadError
+from ...models.decoder import DecoderModel, cache_params, graph_weight_bytes
+from ...models.held import HeldWeights
 from ...models.loading import load_model, model_file
+from ...models.memory import check_fits
 from ...tiers.store import TierConfig
 from .blending import BLEND_ENV, BlendConfig, ServeBlender
 from .context import wants_prompt_logprobs
@@ -247,6 +251,9 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                     else ""
                 )
             )
+        budget = cache_budget(self.memory_plan.available_cache_memory)
+        # Both before anything large is allocated (the weights are packed below).
+        check_fits(path.name, graph_weight_bytes(config, weights, packed=True), budget or 0)
         self.maxkv_manager = build_manager(
             cache_kind(),
             params,
@@ -257,7 +264,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
             max_seq_len=self.max_seq_len,
             page_size=tokens_per_page(self.kv_cache_config.kv_cache_page_size),
             prefix_caching=self.kv_cache_config.enable_prefix_caching,
-            available=cache_budget(self.memory_plan.available_cache_memory),
+            available=budget,
             tiers=TierConfig.from_env(model_identity(path)),
             layer_windows=() if keep_window_pages() else config.layer_windows,
             step_tokens=getattr(self.pipeline_config.runtime, "max_batch_input_tokens", None),
@@ -265,8 +272,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         )
         #: The KV event publisher (``MAXKV_KV_EVENTS_ENDPOINT``), or ``None``.
         self.kv_events = self._kv_events()
-        source = model_file(path)
-        quantized = read_gguf_quantized(source) if source.is_file() else None
+        quantized = weights.blocks if isinstance(weights, HeldWeights) else None
         #: Prompt-lookup speculative decoding (``MAXKV_SPECULATIVE``), or ``None``.
         self.speculative = speculative_config(self.pipeline_config)
         self.decoder = DecoderModel(
@@ -507,6 +513,35 @@ def host_array(buffer: Buffer) -> np.ndarray:
     """``buffer``'s values in host memory (copied from a device)."""
     array: np.ndarray = (buffer if buffer.device.is_host else buffer.to(CPU())).to_numpy()
     return array
+
+
+class MaxkvMemoryPlanner(PagedMemoryPlanner):
+    """MAX's memory plan with the bytes maxkv's graph holds for the weights.
+
+    MAX's planner counts the weight files' size; maxkv holds a GGUF's blocks
+    packed for its kernels (more bytes than the file: float32 scales, a byte
+    per 5- or 6-bit integer) and widens float16 and bfloat16 checkpoints to
+    float32, so the KV cache MAX plans beside them is sized from
+    :func:`~maxkv.models.decoder.graph_weight_bytes` instead (read from the
+    GGUF's metadata or ``config.json``; no weight is read).
+    """
+
+    def estimate_weights_size(self, pipeline_config: Any) -> int:
+        return planned_weight_bytes(checkpoint_path(pipeline_config))
+
+
+def planned_weight_bytes(path: Path) -> int:
+    """:func:`~maxkv.models.decoder.graph_weight_bytes` of the checkpoint at ``path``
+    (a logits graph on the CPU), without reading its weights."""
+    source = model_file(path)
+    if source.is_file():
+        config, weights = load_model(source)  # a GGUF: its matrices stay in the file
+        return graph_weight_bytes(config, weights, packed=True)
+    try:
+        raw = json.loads((source / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read {source / 'config.json'}: {error}") from None
+    return graph_weight_bytes(DecoderConfig.from_hf(raw), {}, packed=True)
 
 
 def checkpoint_path(pipeline_config: Any) -> Path:

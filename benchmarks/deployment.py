@@ -1,0 +1,200 @@
+"""Deployment sizes on this CPU: load, memory and batch-1 decode of Q4_K_M fixtures.
+
+    python benchmarks/deployment.py llama-3.2-3b llama-3.1-8b \\
+        [--llama-bench /tmp/llama-build/bin/llama-bench] [--json FILE.json]
+
+For each shape of ``benchmarks/deployment_gguf.py`` (the file is written first
+if missing), in a fresh process each time, one at a time:
+
+- maxkv: ``open_model`` then ``DecoderModel`` (greedy tokens, a one-sequence
+  contiguous cache of 512 tokens), run twice: the first run compiles the graph
+  (``load_and_compile_s``), the second finds it cached (``load_s``).  In the
+  second, a 40-token chat prompt is prefilled and decoded for 1 and for
+  ``1 + new_tokens`` tokens by maxkv's scheduler (one step a fetch), repeated;
+  decode tokens/s is ``new_tokens`` over the median difference.  The bytes a
+  decode step reads are the graph weights it streams (every matrix, the head;
+  not the embedding's other rows), reported as a fraction of this machine's
+  read bandwidth (``maxkv.stream_read`` over 512 MiB).  Peak resident memory
+  (``VmHWM``) of the process.
+- llama.cpp (``--llama-bench``): ``llama-bench -m FILE -p 0 -n new_tokens -t
+  <cores>``, its tokens/s, and the peak resident memory of that process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deployment_gguf import SHAPES, write
+
+PROMPT = "Write a short paragraph about the history of the printing press."
+
+
+def _peak_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure_maxkv(path: Path, new_tokens: int, repeats: int, decode: bool) -> dict[str, Any]:
+    """One process's measurement (see the module docstring)."""
+    import numpy as np
+    from max.driver import CPU
+    from max.engine import InferenceSession
+
+    from maxkv import ContinuousBatchingKVCacheManager
+    from maxkv.models.decoder import DecoderModel, cache_params
+    from maxkv.models.resolve import open_model
+    from maxkv.serving.scheduler import ContinuousBatchingScheduler
+
+    start = time.perf_counter()
+    model = open_model(path, progress=False)
+    opened = time.perf_counter() - start
+    device = CPU()
+    session = InferenceSession(devices=[device])
+    config = model.config
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(config), 1, 512, config.num_hidden_layers, [device], session
+    )
+    decoder = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
+    row: dict[str, Any] = {
+        "open_model_s": round(opened, 2),
+        "load_s": round(time.perf_counter() - start, 2),
+        "graph_weight_bytes": int(sum(a.nbytes for a in decoder._weights.values())),
+        "file_bytes": path.stat().st_size,
+        "greedy_head": decoder.greedy_head,
+    }
+    if not decode:
+        row["peak_rss_mib"] = round(_peak_mib())
+        return row
+    streamed = sum(
+        a.nbytes
+        for name, a in decoder._weights.items()
+        if not name.startswith(("embed_tokens", "rope")) and getattr(a, "ndim", 1) > 1
+    )
+    assert model.tokenizer is not None
+    prompt = model.tokenizer.encode_chat(PROMPT)
+
+    def generate(tokens: int) -> float:
+        scheduler = ContinuousBatchingScheduler(decoder, manager, 1, 1, stop_at_eos=False)
+        scheduler.submit(prompt, tokens)
+        began = time.perf_counter()
+        scheduler.run()
+        return time.perf_counter() - began
+
+    generate(2)  # warm-up
+    differences = [generate(1 + new_tokens) - generate(1) for _ in range(repeats)]
+    seconds = float(np.median(differences))
+    from maxkv_bench.machine import read_bandwidth_gbps
+
+    bandwidth = read_bandwidth_gbps(session, device, os.cpu_count() or 1)
+    rate = new_tokens / seconds
+    row |= {
+        "prompt_tokens": len(prompt),
+        "decode_tokens_per_s": round(rate, 2),
+        "decode_ms_per_token": round(1000 / rate, 1),
+        "bytes_read_per_token": streamed,
+        "read_bandwidth_gbps": round(bandwidth, 1),
+        "fraction_of_read_bandwidth": round(streamed * rate / (bandwidth * 1e9), 3),
+        "peak_rss_mib": round(_peak_mib()),
+    }
+    return row
+
+
+def measure_llama_cpp(binary: Path, path: Path, new_tokens: int) -> dict[str, Any]:
+    threads = str(os.cpu_count() or 1)
+    command = [str(binary), "-m", str(path), "-p", "0", "-n", str(new_tokens), "-t", threads]
+    process = subprocess.Popen([*command, "-o", "json"], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({process.returncode})")
+    (test,) = json.loads(output)
+    return {
+        "command": " ".join(command),
+        "decode_tokens_per_s": round(float(test["avg_ts"]), 2),
+        "peak_rss_mib": round(usage.ru_maxrss / 1024),
+    }
+
+
+def _child(shape: str, new_tokens: int, repeats: int, decode: bool) -> dict[str, Any]:
+    command = [sys.executable, __file__, shape, "--child", "--new-tokens", str(new_tokens)]
+    command += ["--repeats", str(repeats)] + ([] if decode else ["--no-decode"])
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{shape}: the measurement failed:\n{result.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shapes", nargs="+", help=f"of: {', '.join(SHAPES)}")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-bench", type=Path)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-decode", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from maxkv.cachedir import cache_dir
+
+    folder = cache_dir() / "deployment"
+    paths = {}
+    for shape in args.shapes:
+        if shape not in SHAPES:
+            parser.error(f"unknown shape {shape}; choose from {', '.join(SHAPES)}")
+        path = folder / f"{shape}.q4_k_m.gguf"
+        paths[shape] = path if path.is_file() or args.child else write(shape, folder)
+    if args.child:
+        (shape,) = args.shapes
+        row = measure_maxkv(paths[shape], args.new_tokens, args.repeats, not args.no_decode)
+        print(json.dumps(row))
+        return
+    from maxkv.cpu.features import cpu_flags
+
+    flags = cpu_flags()
+    machine = {
+        "cpu": platform.processor() or _cpu_name(),
+        "cores": os.cpu_count(),
+        "isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other",
+        "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
+    }
+    rows = []
+    for shape, path in paths.items():
+        row: dict[str, Any] = {"shape": shape, "file": path.name}
+        if args.llama_bench:
+            row["llama_cpp"] = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
+        first = _child(shape, args.new_tokens, args.repeats, decode=False)
+        row["maxkv"] = {"load_and_compile_s": first["load_s"]} | _child(
+            shape, args.new_tokens, args.repeats, decode=True
+        )
+        if "llama_cpp" in row:
+            row["decode_vs_llama_cpp"] = round(
+                row["maxkv"]["decode_tokens_per_s"] / row["llama_cpp"]["decode_tokens_per_s"], 3
+            )
+        print(json.dumps(row, indent=2), flush=True)
+        rows.append(row)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "deployment": rows}, indent=2) + "\n")
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
