@@ -73,6 +73,8 @@ _FORMATS = {
     "Q4_K": (4, 32),
     "Q5_K": (8, 32),
     "Q6_K": (8, 16),
+    "Q2_K": (8, 16),
+    "Q3_K": (8, 16),
 }
 
 
@@ -317,8 +319,8 @@ def test_bad_blocks_are_refused() -> None:
         BlockQuantized(q, scale[:, :1], scale, 8)
     with pytest.raises(ValueError, match="blocks of 16"):
         BlockQuantized(q, np.ones((2, 4), np.float32), np.ones((2, 4), np.float32), 4, 16)
-    with pytest.raises(ValueError, match="cannot read Q2_K"):
-        from_gguf_blocks("Q2_K", np.zeros(84, np.uint8), (1, 256))
+    with pytest.raises(ValueError, match="cannot read IQ4_NL"):
+        from_gguf_blocks("IQ4_NL", np.zeros(18, np.uint8), (1, 32))
     with pytest.raises(ValueError, match="bytes"):
         from_gguf_blocks("Q8_0", np.zeros(33, np.uint8), (1, 32))
     with pytest.raises(ValueError, match="multiple of Q4_K's 256"):

@@ -28,11 +28,14 @@ Q8_0     8 bits      32     ``d``, ``-128 d``
 Q4_K     4 bits      32     ``d * sc``, ``-(dmin * m)`` (6-bit ``sc``, ``m``)
 Q5_K     8 bits (5)  32     ``d * sc``, ``-(dmin * m)``
 Q6_K     8 bits (6)  16     ``d * sc``, ``-32 d * sc`` (int8 ``sc``)
+Q2_K     8 bits (2)  16     ``d * sc``, ``-(dmin * m)`` (4-bit ``sc``, ``m``)
+Q3_K     8 bits (3)  16     ``d * sc``, ``-4 d * sc`` (6-bit ``sc - 32``)
 =======  ==========  =====  =====================================================
 
-The kernel reads 4- and 8-bit integers, so 5- and 6-bit ones take a byte
-each: such copies hold more bytes than the file (Q5_0: 1.25 bytes a weight
-where the file has 0.69), still 3.2x fewer than float32.
+The kernel reads 4- and 8-bit integers, so 2-, 3-, 5- and 6-bit ones take a
+byte each: such copies hold more bytes than the file (Q5_0: 1.25 bytes a
+weight where the file has 0.69; Q2_K 1.5 where it has 0.33), still 2.7-3.2x
+fewer than float32.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ GGUF_FORMATS = {
     "Q4_K": PackedFormat(4, 32),
     "Q5_K": PackedFormat(8, 32),
     "Q6_K": PackedFormat(8, 16),
+    "Q2_K": PackedFormat(8, 16),
+    "Q3_K": PackedFormat(8, 16),
 }
 #: GGML types :func:`from_gguf_blocks` reads.
 GGUF_TYPES = tuple(GGUF_FORMATS)
@@ -399,6 +404,42 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
             scale.reshape(n, -1),
             offset.reshape(n, -1),
             bits,
+        )
+    if type_name == "Q2_K":
+        # 16 bytes of scales (low nibble sc, high m), 64 of 2-bit q, float16 d, dmin.
+        # Weight 128 h + 32 s + l: bits 2 s of byte 32 h + l.
+        sc = raw[..., :16]
+        qs = raw[..., 16:80].reshape(n, -1, 2, 1, 32)
+        q = (qs >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        scale = _f16(raw[..., 80:82]) * (sc & 15).astype(np.float32)
+        offset = -(_f16(raw[..., 82:84]) * (sc >> 4).astype(np.float32))
+        return BlockQuantized(
+            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
+            scale.reshape(n, -1),
+            offset.reshape(n, -1),
+            8,
+            16,
+        )
+    if type_name == "Q3_K":
+        # 32 bytes of high bits (weight 32 j + l: bit j of byte l), 64 of 2-bit lows
+        # (as Q2_K's), 12 bytes of sixteen 6-bit scales, a float16 d; q - 4.
+        high = (
+            raw[..., :32].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        ) & 1
+        qs = raw[..., 32:96].reshape(n, -1, 2, 1, 32)
+        low = (qs >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        q = low.reshape(n, -1, 256) | (high.reshape(n, -1, 256) << 2)
+        packed = raw[..., 96:108]
+        lows = (packed[..., :8, None] >> np.array([0, 4], np.uint8)).swapaxes(-1, -2)
+        highs = (packed[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)).swapaxes(-1, -2)
+        sc = (lows.reshape(n, -1, 16) & 15) | ((highs.reshape(n, -1, 16) & 3) << 4)
+        scale = _f16(raw[..., 108:110]) * (sc.astype(np.float32) - 32)
+        return BlockQuantized(
+            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
+            scale.reshape(n, -1),
+            (-4 * scale).reshape(n, -1),
+            8,
+            16,
         )
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, a float16 d.
     ql = raw[..., :128].reshape(n, -1, 2, 1, 64)

@@ -265,7 +265,7 @@ def read_gguf(
     weights (Hugging Face names), parsing the file once.
 
     Every matrix of a type in :data:`maxkv.cpu.quantized.GGUF_TYPES` (Q4_0,
-    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays in the mapped file as
+    Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K) stays in the mapped file as
     its blocks (:class:`~maxkv.models.held.FileBlocks`, Q and K rows
     unpermuted when read); every other tensor (norms, float16 or float32
     matrices, the block types maxkv's kernels do not read) is dequantized to
