@@ -252,8 +252,8 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
                 )
             )
         budget = cache_budget(self.memory_plan.available_cache_memory)
-        # Both before anything large is allocated (the weights are packed below).
-        check_fits(path.name, graph_weight_bytes(config, weights, packed=True), budget or 0)
+        if self.devices[0].label == "cpu":  # both before anything large is allocated
+            check_fits(path.name, graph_weight_bytes(config, weights, packed=True), budget or 0)
         self.maxkv_manager = build_manager(
             cache_kind(),
             params,
