@@ -74,10 +74,6 @@ class FileBlocks(Mapping[str, BlockQuantized]):
         """The kernel format matrix ``name`` is read in."""
         return GGUF_FORMATS[self._tensors[name].type_name]
 
-    def nbytes(self, name: str) -> int:
-        """The bytes matrix ``name`` takes in the file."""
-        return self._tensors[name].span[1]
-
     def read(self, name: str, start: int, stop: int) -> BlockQuantized:
         """Rows ``start:stop`` of matrix ``name``.
 
@@ -138,12 +134,6 @@ class HeldWeights(Mapping[str, np.ndarray]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.dense or name in self.blocks
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of weight ``name``, without reading a held matrix."""
-        if name in self.dense:
-            return tuple(self.dense[name].shape)
-        return self.blocks.shape(name)
 
 
 def check_held(config: DecoderConfig, weights: HeldWeights) -> HeldWeights:

@@ -126,13 +126,23 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _load_hf_directory(directory: Path) -> tuple[DecoderConfig, Weights]:
+def hf_directory_config(directory: Path) -> DecoderConfig:
+    """The configuration of a Hugging Face directory (its ``config.json``), no weight read.
+
+    Raises:
+        ModelLoadError: If ``config.json`` is not valid JSON or describes a model
+            maxkv does not run.
+    """
     config_file = directory / "config.json"
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
-    config = DecoderConfig.from_hf(raw)
+    return DecoderConfig.from_hf(raw)
+
+
+def _load_hf_directory(directory: Path) -> tuple[DecoderConfig, Weights]:
+    config = hf_directory_config(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors file in {directory}")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -60,10 +59,9 @@ from ...cache.protocol import KVCacheManagerBase
 from ...cache.rotation import KeyRotation
 from ...cachedir import cache_dir
 from ...events.wire import AllBlocksCleared
-from ...models.config import DecoderConfig, ModelLoadError
 from ...models.decoder import DecoderModel, cache_params, graph_weight_bytes
 from ...models.held import HeldWeights
-from ...models.loading import load_model, model_file
+from ...models.loading import hf_directory_config, load_model, model_file
 from ...models.memory import check_fits
 from ...tiers.store import TierConfig
 from .blending import BLEND_ENV, BlendConfig, ServeBlender
@@ -537,11 +535,7 @@ def planned_weight_bytes(path: Path) -> int:
     if source.is_file():
         config, weights = load_model(source)  # a GGUF: its matrices stay in the file
         return graph_weight_bytes(config, weights, packed=True)
-    try:
-        raw = json.loads((source / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ModelLoadError(f"cannot read {source / 'config.json'}: {error}") from None
-    return graph_weight_bytes(DecoderConfig.from_hf(raw), {}, packed=True)
+    return graph_weight_bytes(hf_directory_config(source), {}, packed=True)
 
 
 def checkpoint_path(pipeline_config: Any) -> Path:
