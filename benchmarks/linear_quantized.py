@@ -6,7 +6,8 @@ For the matrices of a decode step of two real models (SmolLM2-135M's fused
 gate/up ``[3072, 576]`` and down ``[576, 1536]``, Gemma 3 270M's ``[4096,
 640]`` and ``[640, 2048]``), each copy format the kernel reads
 (:class:`maxkv.cpu.quantized.PackedFormat`: 4-bit integers per 32 weights,
-8-bit ones per 32 or per 16), held alone as a model holds a GGUF's matrices
+8-bit ones per 32 or per 16 with float32 scales; 4-bit per 32 and 6-bit per
+16 with factored scales, GGUF's K-quants), held alone as a model holds a GGUF's matrices
 (past 8 rows dequantized in panels), is timed against the float32 weights at
 1 to 64 rows, interleaved, medians of ``--repeats``; results are checked
 equal bit for bit first.  ``--shapes llama3b.gate_up,llama3b.down`` adds
@@ -52,8 +53,13 @@ ROWS = (1, 4, 8, 16, 32, 64)
 
 
 def random_copy(rng: np.random.Generator, n: int, k: int, fmt: PackedFormat) -> BlockQuantized:
-    """float16 scales and offsets: every product exact, as in a GGUF file."""
+    """float16 scales and offsets (factored: float16 factors, int8 multipliers): every
+    product exact, as in a GGUF file."""
     q = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
+    if fmt.factored:
+        d = rng.uniform(0.0001, 0.001, (n, k // 256, 2)).astype(np.float16).astype(np.float32)
+        m = rng.integers(-64, 64, (n, k // fmt.block, 2), dtype=np.int8)
+        return BlockQuantized.factored(q, d, m, fmt.bits, fmt.block)
     blocks = k // fmt.block
     scale = rng.uniform(0.001, 0.05, (n, blocks)).astype(np.float16).astype(np.float32)
     offset = (rng.standard_normal((n, blocks)) * 0.1).astype(np.float16).astype(np.float32)
@@ -95,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     for shape_name in args.shapes.split(","):
         n, k = SHAPES[shape_name]
         for fmt in FORMATS:
+            if fmt.factored and k % 256:
+                continue  # factored scales are per 256 weights (GGUF's K-quants)
             copy = random_copy(rng, n, k, fmt)
             weight = copy.dequantize()
             q, sm = copy.pack()
             w = kvops.pack_linear_weight(weight)
-            tag = f"{shape_name.replace('.', '_')}_{fmt.bits}_{fmt.block}"
+            kind = "k" if fmt.factored else ""
+            tag = f"{shape_name.replace('.', '_')}_{fmt.bits}_{fmt.block}{kind}"
             f32 = build(session, f"f32_{tag}", n, k, {"w": w})
             quant = build(session, f"q_{tag}", n, k, {"q": q, "sm": sm})
             f32_bytes, q_bytes = w.nbytes, q.nbytes + sm.nbytes
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {
                     "matrix": shape_name,
                     "shape": [n, k],
-                    "format": {"bits": fmt.bits, "block": fmt.block},
+                    "format": {"bits": fmt.bits, "block": fmt.block, "factored": fmt.factored},
                     "rows": m,
                     "float32_us": times["f32"] * 1e6,
                     "quantized_us": times["q"] * 1e6,

@@ -185,7 +185,9 @@ def test_greedy_head_refuses_mismatched_inputs() -> None:
 def test_a_head_held_as_blocks_is_read_as_blocks(smollm2_llama: DecoderModel) -> None:
     """SmolLM2's GGUF holds its tied head as Q8_0 blocks: the model's tokens are
     the argmax of logits read from them, with no float32 head kept for the
-    greedy head's exact pass (which decodes dense checkpoints' heads)."""
+    greedy head's exact pass (which decodes dense checkpoints' heads), and the
+    embedding gathered from the same blocks (no table of its own)."""
     assert not smollm2_llama.greedy_head
-    assert {"lm_head", "embed_tokens"} <= set(smollm2_llama.quant_formats)
-    assert "lm_head" not in smollm2_llama._weights
+    assert "lm_head" in smollm2_llama.quant_formats
+    assert "embed_tokens" not in smollm2_llama.quant_formats
+    assert not {"lm_head", "embed_tokens", "embed_tokens.q"} & set(smollm2_llama._weights)

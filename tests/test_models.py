@@ -932,9 +932,9 @@ def test_gemma3_270m_greedy_past_its_window_matches_transformers(gemma3_gguf: Pa
     layers = {n for n in matrix_sources(config, packed=True) if n.startswith("layers.")}
     assert layers <= set(decoder.quant_formats)
     assert set(decoder.quant_formats.values()) == {
-        PackedFormat(4, 32),  # Q4_K attention outputs and down projections
+        PackedFormat(4, 32, True),  # Q4_K attention outputs and down projections
         PackedFormat(8, 32),  # Q5_0 / Q8_0 projections
-        PackedFormat(8, 16),  # Q6_K down projections
+        PackedFormat(6, 16, True),  # Q6_K down projections
     }
     scheduler = ContinuousBatchingScheduler(decoder, manager, 1, 4, stop_at_eos=False)
     scheduler.submit(prompt, new_tokens)

@@ -64,17 +64,18 @@ def test_gguf_blocks_hold_exactly_the_loaded_weights(tmp_path: Path, matrix_type
 
 
 #: What each GGML type is read as: (bits, weights per scale) of the kernel's copy.
+#: Each type's integers' bits and block, and whether its scales stay factored.
 _FORMATS = {
-    "Q4_0": (4, 32),
-    "Q4_1": (4, 32),
-    "Q5_0": (8, 32),
-    "Q5_1": (8, 32),
-    "Q8_0": (8, 32),
-    "Q4_K": (4, 32),
-    "Q5_K": (8, 32),
-    "Q6_K": (8, 16),
-    "Q2_K": (8, 16),
-    "Q3_K": (8, 16),
+    "Q4_0": (4, 32, False),
+    "Q4_1": (4, 32, False),
+    "Q5_0": (8, 32, False),
+    "Q5_1": (8, 32, False),
+    "Q8_0": (8, 32, False),
+    "Q4_K": (4, 32, True),
+    "Q5_K": (6, 32, True),
+    "Q6_K": (6, 16, True),
+    "Q2_K": (6, 16, True),
+    "Q3_K": (6, 16, True),
 }
 
 
@@ -93,13 +94,22 @@ def test_every_block_type_reads_as_gguf_dequantizes_it(type_name: str) -> None:
     raw = random_blocks(type_name, n, k, rng)
     expected = quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, k)
     copy = from_gguf_blocks(type_name, raw, (n, k))
-    assert (copy.bits, copy.block) == _FORMATS[type_name]
+    assert (copy.bits, copy.block, copy.factors is not None) == _FORMATS[type_name]
     np.testing.assert_array_equal(copy.dequantize(), expected)
     assert copy.exactly(expected)
-    # Stacked with a copy in blocks of 16 (Q6_K), every type is still exact.
+    if copy.factors is not None:  # what the kernel computes from the factors, in float64
+        d, m = copy.factors
+        per = 256 // copy.block
+        scale = np.repeat(d[..., 0].astype(np.float64), per, 1) * m[..., 0]
+        offset = np.repeat(d[..., 1].astype(np.float64), per, 1) * m[..., 1]
+        values = np.repeat(scale, copy.block, 1) * copy.q + np.repeat(offset, copy.block, 1)
+        np.testing.assert_array_equal(values.astype(np.float32), expected)
+    # Stacked with a copy in blocks of 16 (Q6_K), every type is still exact: factored
+    # with the K-quants, plain bytes with the others.
     q6 = from_gguf_blocks("Q6_K", random_blocks("Q6_K", 3, k, rng), (3, k))
     both = BlockQuantized.concat([copy, q6])
-    assert both.format == PackedFormat(8, 16)
+    factored = copy.factors is not None
+    assert both.format == (PackedFormat(6, 16, True) if factored else PackedFormat(8, 16))
     assert both.exactly(np.concatenate([expected, q6.dequantize()]))
 
 
@@ -125,9 +135,9 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     formats = quantized_formats(registry, loaded_config)
     assert set(formats) == set(matrix_sources(loaded_config, packed=True)) | {"embed_tokens"}
     assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0
-    assert formats["layers.0.wo"] == PackedFormat(4, 32)  # Q4_K
-    assert formats["layers.0.gate_up"] == PackedFormat(8, 32)  # Q5_0 + Q5_K
-    assert formats["layers.0.down"] == PackedFormat(8, 16)  # Q6_K
+    assert formats["layers.0.wo"] == PackedFormat(4, 32, True)  # Q4_K
+    assert formats["layers.0.gate_up"] == PackedFormat(8, 16)  # Q5_0 + Q5_K (blocks of 16)
+    assert formats["layers.0.down"] == PackedFormat(6, 16, True)  # Q6_K
     # Held as the file stores them: no matrix has a float32 copy beside its blocks.
     assert not set(formats) & set(registry), "a float32 copy beside the blocks"
     assert all(registry[f"{n}.q"].dtype == np.uint8 for n in formats)
@@ -170,9 +180,24 @@ def test_a_gguf_matrix_is_never_held_as_float32(
     # What the memory check counts, from shapes and formats, is what is held.
     held_bytes = sum(a.nbytes for a in registry.values())
     assert graph_weight_bytes(loaded_config, loaded, packed=True) == held_bytes
-    embed_q, embed_sm = registry["embed_tokens.q"], registry["embed_tokens.sm"]
-    assert embed_q.shape == (config["vocab_size"], config["hidden_size"] // 2)
-    assert embed_sm.shape == (config["vocab_size"], config["hidden_size"] // 32, 2)
+    # The embedding's own Q4_K tiles (2 of 64 rows, factored scales) beside the
+    # Q6_K head's.
+    assert registry["embed_tokens.q"].shape == (2, 256, 32)
+    assert registry["embed_tokens.sm"].shape == (2, 1, 6, 64)
+    assert registry["lm_head.q"].shape == (2, 256, 48)
+    # Tied: one table, the head's, which the embedding gathers from.
+    tied = tmp_path / "tiny-tied.gguf"
+    overrides.pop("output.weight")
+    write_llama_gguf(
+        tied, hf_weights(config, seed=9, tied=True), config, matrix_type="Q4_K", overrides=overrides
+    )
+    tied_config, tied_weights = load_model(tied)
+    assert tied_config.tie_word_embeddings
+    registry = graph_weights(tied_config, tied_weights, packed=True)
+    assert registry["lm_head.q"].shape == (2, 256, 32)  # the Q4_K table
+    assert not {"embed_tokens", "embed_tokens.q", "lm_head"} & set(registry)
+    held_bytes = sum(a.nbytes for a in registry.values())
+    assert graph_weight_bytes(tied_config, tied_weights, packed=True) == held_bytes
 
 
 @pytest.mark.unit
@@ -212,38 +237,42 @@ def test_available_memory_is_read_on_linux() -> None:
     assert available is not None and 0 < available < 2**50
 
 
-@pytest.mark.unit
-def test_rows_packed_for_the_gather_hold_the_matrix() -> None:
-    """pack_rows' layout, unpacked in NumPy as the embedding graph does, gives the
-    dequantized matrix's values (4 bits: the two halves of a row in one byte)."""
-    rng = np.random.default_rng(3)
-    for bits, block in ((4, 32), (8, 32), (8, 16)):
-        copy = _random_copy(rng, 7, 128, bits, block)
-        q, sm = copy.pack_rows()
-        values = q.astype(np.float32)
-        if bits == 4:
-            high = np.floor(values / 16)
-            values = np.concatenate([values - 16 * high, high], axis=1)
-        blocks = values.reshape(7, 128 // block, block)
-        rows = (blocks * sm[:, :, 0:1] + sm[:, :, 1:2]).reshape(7, 128)
-        np.testing.assert_array_equal(rows, copy.dequantize())
-        assert PackedFormat.of_rows(q.shape, sm.shape, 128) == copy.format
-
-
 def _tile_layout(copy: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's tile layout written out in NumPy (``linear.mojo``'s reads):
-    q ``[tiles, K, 64 bits / 8]``, 4-bit byte j = column j | column j + 32 << 4;
-    sm ``[tiles, K / block, 2, 64]``, zero padding columns."""
+    """The kernel's tile layout written out in NumPy (``linear.mojo``'s reads),
+    zero padding columns: q ``[tiles, K, 64 bits / 8]``, 4-bit byte j = column
+    j | column j + 32 << 4, 6-bit the same 32 bytes then byte 32 + j = the top
+    two bits of columns j, j + 16, j + 32, j + 48 from the lowest up; sm plain
+    ``[tiles, K / block, 2, 64]``; factored ``[tiles, K / 256, slots, 64]``: the
+    factors' two rows, then the int8 multipliers ``[256 / block, 2, 64]``."""
     n, k = copy.shape
+    fmt = copy.format
     tiles = -(-n // 64)
     q = np.zeros((tiles * 64, k), np.uint8)
     q[:n] = copy.q
     q = q.reshape(tiles, 64, k).transpose(0, 2, 1)
-    if copy.bits == 4:
-        q = q[..., :32] | (q[..., 32:] << 4)
-    sm = np.zeros((2, tiles * 64, k // copy.block), np.float32)
-    sm[0, :n], sm[1, :n] = copy.scale, copy.offset
-    return q, sm.reshape(2, tiles, 64, -1).transpose(1, 3, 0, 2)
+    if fmt.bits in (4, 6):
+        low = q & 15
+        high = q >> 4
+        q4 = low[..., :32] | (low[..., 32:] << 4)
+        if fmt.bits == 4:
+            q = q4
+        else:
+            top = high[..., 0:16] | high[..., 16:32] << 2 | high[..., 32:48] << 4
+            q = np.concatenate([q4, top | high[..., 48:64] << 6], axis=-1)
+    if copy.factors is None:
+        sm = np.zeros((2, tiles * 64, k // fmt.block), np.float32)
+        sm[0, :n], sm[1, :n] = copy.scale, copy.offset
+        return q, sm.reshape(2, tiles, 64, -1).transpose(1, 3, 0, 2)
+    d, m = copy.with_block(fmt.block).factors
+    per = 256 // fmt.block
+    dd = np.zeros((tiles * 64, k // 256, 2), np.float32)
+    dd[:n] = d
+    mm = np.zeros((tiles * 64, k // 256, per, 2), np.int8)
+    mm[:n] = m.reshape(n, k // 256, per, 2)
+    factors = dd.reshape(tiles, 64, k // 256, 2).transpose(0, 2, 3, 1)  # [tiles, S, 2, 64]
+    mult = mm.reshape(tiles, 64, k // 256, per * 2).transpose(0, 2, 3, 1)
+    mult = np.ascontiguousarray(mult).view(np.float32).reshape(tiles, k // 256, -1, 64)
+    return q, np.concatenate([factors, mult], axis=2)
 
 
 @pytest.mark.unit
@@ -251,14 +280,33 @@ def test_matrices_stack_into_tiles_a_piece_at_a_time() -> None:
     """A stacked matrix laid out from pieces at any row (mid-tile, mixed formats)
     equals the kernel's layout of the whole (:func:`_tile_layout`)."""
     rng = np.random.default_rng(4)
-    k = 96
-    parts = [
-        _random_copy(rng, 37, k, 4),
-        _random_copy(rng, 70, k, 8, 16),
-        _random_copy(rng, 5, k, 8),
-        _random_copy(rng, 64, k, 4),
-    ]
+    k = 512
+    q4, q8 = PackedFormat(4, 32), PackedFormat(8, 32)
+    k4, k6 = PackedFormat(4, 32, True), PackedFormat(6, 16, True)
+    for formats, stacked in (
+        ((q4, PackedFormat(8, 16), q8, q4), PackedFormat(8, 16)),
+        ((k4, k6, k4), k6),
+        ((k4, k4), k4),
+        ((k4, q8), PackedFormat(8, 32)),
+        ((q4, k6), PackedFormat(8, 16)),
+    ):
+        _check_stacking(rng, k, formats, stacked)
+    four = TileBuilder(PackedFormat(4, 32), 64, k)
+    with pytest.raises(ValueError, match="does not fit"):
+        four.write(0, _random_copy(rng, 8, k, PackedFormat(8, 16)))  # 8-bit rows, 4-bit layout
+    with pytest.raises(ValueError, match="does not fit"):
+        four.write(40, _random_copy(rng, 37, k, q4))  # past the last row
+    with pytest.raises(ValueError, match="does not fit"):  # plain scales cannot be factored
+        TileBuilder(k6, 64, k).write(0, _random_copy(rng, 8, k, q4))
+
+
+def _check_stacking(
+    rng: np.random.Generator, k: int, formats: tuple[PackedFormat, ...], stacked: PackedFormat
+) -> None:
+    parts = [_random_copy(rng, n, k, f) for n, f in zip((37, 70, 5, 64), formats, strict=False)]
     whole = BlockQuantized.concat(parts)
+    assert whole.format == stacked
+    assert whole.exactly(np.concatenate([p.dequantize() for p in parts]))
     builder = TileBuilder(whole.format, whole.shape[0], k)
     row = 0
     for part in parts:
@@ -272,11 +320,6 @@ def test_matrices_stack_into_tiles_a_piece_at_a_time() -> None:
     np.testing.assert_array_equal(builder.sm, sm)
     for got, want in zip(whole.pack(), (q, sm), strict=True):
         np.testing.assert_array_equal(got, want)
-    four = TileBuilder(PackedFormat(4, 32), 64, k)
-    with pytest.raises(ValueError, match="does not fit"):
-        four.write(0, parts[1])  # 8-bit rows into a 4-bit layout
-    with pytest.raises(ValueError, match="does not fit"):
-        four.write(40, parts[0])  # past the last row
 
 
 @pytest.mark.unit
@@ -313,12 +356,24 @@ def test_bad_blocks_are_refused() -> None:
         BlockQuantized(q, scale, scale, 5)
     with pytest.raises(ValueError, match="multiple"):
         BlockQuantized(q[:, :48], scale, scale, 8)
-    with pytest.raises(ValueError, match="above 15"):
+    with pytest.raises(ValueError, match="value of 16 or more"):
         BlockQuantized(q + 16, scale, scale, 4)
+    with pytest.raises(ValueError, match="value of 64 or more"):
+        BlockQuantized(q + 64, scale, scale, 6)
     with pytest.raises(ValueError, match="scale"):
         BlockQuantized(q, scale[:, :1], scale, 8)
-    with pytest.raises(ValueError, match="blocks of 16"):
-        BlockQuantized(q, np.ones((2, 4), np.float32), np.ones((2, 4), np.float32), 4, 16)
+    with pytest.raises(ValueError, match="block must be"):
+        BlockQuantized(q, np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 4, 8)
+    q256 = np.zeros((2, 256), np.uint8)
+    d, m = np.ones((2, 1, 2), np.float32), np.ones((2, 16, 2), np.int8)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        BlockQuantized.factored(q, d, m[:, :4], 6, 16)
+    with pytest.raises(ValueError, match="at most 6 bits"):
+        BlockQuantized.factored(q256, d, m, 8, 16)
+    with pytest.raises(ValueError, match=r"factors\.m must be int8"):
+        BlockQuantized.factored(q256, d, m.astype(np.int16), 6, 16)
+    with pytest.raises(ValueError, match="does not fit"):  # 6-bit rows into 4 bits
+        BlockQuantized.factored(q256, d, m, 6, 16).as_format(PackedFormat(4, 32, True))
     with pytest.raises(ValueError, match="cannot read IQ4_NL"):
         from_gguf_blocks("IQ4_NL", np.zeros(18, np.uint8), (1, 32))
     with pytest.raises(ValueError, match="bytes"):
@@ -331,9 +386,10 @@ def test_bad_blocks_are_refused() -> None:
 def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     config = smollm2.config
     registry = graph_weights(config, smollm2.weights, packed=True, quantized=smollm2.quantized)
-    names = set(matrix_sources(config, packed=True)) | {"embed_tokens"}
+    # The tied head's copy is the embedding's table too.
+    names = set(matrix_sources(config, packed=True))
     assert {n[: -len(".q")] for n in registry if n.endswith(".q")} == names
-    assert not names & set(registry), "a float32 copy beside the blocks"
+    assert not (names | {"embed_tokens"}) & set(registry), "a float32 copy beside the blocks"
     q_bytes = sum(a.nbytes for n, a in registry.items() if n.endswith((".q", ".sm")))
     shapes = graph_weight_shapes(config, packed=True)
     f32_bytes = sum(4 * math.prod(shapes[n]) for n in names)
@@ -343,7 +399,10 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
     greedy = graph_weights(
         config, smollm2.weights, packed=True, quantized=smollm2.quantized, greedy_head=True
     )
-    assert {n[: -len(".q")] for n in greedy if n.endswith(".q")} == names - {"lm_head"}
+    # ... and the embedding has its own copy then.
+    assert {n[: -len(".q")] for n in greedy if n.endswith(".q")} == names - {"lm_head"} | {
+        "embed_tokens"
+    }
     assert {"lm_head", "lm_head.greedy_q", "lm_head.greedy_info"} <= set(greedy)
 
 
@@ -351,18 +410,39 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
 
 
 def _random_copy(
-    rng: np.random.Generator, n: int, k: int, bits: int, block: int = 32
+    rng: np.random.Generator, n: int, k: int, fmt: PackedFormat | int, block: int = 32
 ) -> BlockQuantized:
-    """Scales and offsets are float16 values, so every ``q * scale`` is exact in float32."""
-    q = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
-    scale = (rng.uniform(0.001, 0.05, (n, k // block))).astype(np.float16).astype(np.float32)
-    offset = (rng.standard_normal((n, k // block)) * 0.1).astype(np.float16).astype(np.float32)
-    return BlockQuantized(q, scale, offset, bits, block)
+    """A copy in ``fmt`` (or plain ``bits`` in ``block``s).  Scales and offsets are
+    float16 values, factored ones float16 factors times int8 multipliers of
+    either sign, so every ``q * scale`` is exact in float32."""
+    if isinstance(fmt, int):
+        fmt = PackedFormat(fmt, block)
+    q = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
+    if fmt.factored:
+        d = rng.uniform(0.0001, 0.001, (n, k // 256, 2)) * rng.choice([-1, 1], (n, k // 256, 2))
+        m = rng.integers(-128, 128, (n, k // fmt.block, 2), dtype=np.int8)
+        return BlockQuantized.factored(
+            q, d.astype(np.float16).astype(np.float32), m, fmt.bits, fmt.block
+        )
+    scale = (rng.uniform(0.001, 0.05, (n, k // fmt.block))).astype(np.float16).astype(np.float32)
+    offset = (rng.standard_normal((n, k // fmt.block)) * 0.1).astype(np.float16).astype(np.float32)
+    return BlockQuantized(q, scale, offset, fmt.bits, fmt.block)
 
 
 #: 4 tiles, the last one partly padding; K: 19 blocks of 32, two full panels of
 #: 256 rows that larger steps over a copy alone dequantize at a time, and a part one.
 _N, _K = 200, 608
+#: K of the factored formats: three super-blocks of 256 (and three panels).
+_K_FACTORED = 768
+
+
+def _k(fmt: PackedFormat) -> int:
+    return _K_FACTORED if fmt.factored else _K
+
+
+def _prefix(fmt: PackedFormat) -> str:
+    return f"f{fmt.bits}_{fmt.block}{'k' if fmt.factored else ''}_"
+
 
 #: How a graph holds a matmul's weight: float32 alone, float32 with the
 #: quantized copy (steps of <= 8 rows read the copy), the copy alone.
@@ -397,16 +477,22 @@ class _LinearCase:
     model: Model
     weights: dict[PackedFormat, np.ndarray]
 
-    def run(self, x: np.ndarray, residual: np.ndarray | None = None) -> list[np.ndarray]:
+    def run(
+        self, x: np.ndarray, residual: np.ndarray | None = None, factored: bool = False
+    ) -> list[np.ndarray]:
+        """Every output, for ``x`` ``[M, K]`` (``K`` of the plain or the factored formats)."""
+        m = x.shape[0]
         if residual is None:
-            residual = np.zeros((x.shape[0], _N), np.float32)
-        outputs = self.model.execute(Buffer.from_numpy(x), Buffer.from_numpy(residual))
+            residual = np.zeros((m, _N), np.float32)
+        other = np.zeros((m, _K if factored else _K_FACTORED), np.float32)
+        xs = (other, x) if factored else (x, other)
+        outputs = self.model.execute(*(Buffer.from_numpy(a) for a in (*xs, residual)))
         return [o.to_numpy() for o in outputs]
 
     def held(self, fmt: PackedFormat, x: np.ndarray) -> dict[str, np.ndarray]:
         """``x @ w.T`` over ``fmt``'s weight, by holding."""
         f = PACKED_FORMATS.index(fmt)
-        out = self.run(x)
+        out = self.run(x, factored=fmt.factored)
         n = len(_HOLDINGS)
         return dict(zip(_HOLDINGS, out[n * f : n * (f + 1)], strict=True))
 
@@ -422,13 +508,13 @@ def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _Li
         if block_cols not in built:
             registry: dict[str, np.ndarray] = {}
             weights: dict[PackedFormat, np.ndarray] = {}
-            for fmt in PACKED_FORMATS:
-                bits, block = fmt
-                copy = _random_copy(np.random.default_rng(bits + block), _N, _K, bits, block)
+            for i, fmt in enumerate(PACKED_FORMATS):
+                copy = _random_copy(np.random.default_rng(i), _N, _k(fmt), fmt)
                 weight = copy.dequantize()
                 assert copy.exactly(weight)
                 q, sm = copy.pack()
-                prefix = f"f{bits}_{block}_"
+                assert PackedFormat.of(q.shape, sm.shape) == fmt
+                prefix = _prefix(fmt)
                 registry |= {
                     f"{prefix}w": kvops.pack_linear_weight(weight, block_cols),
                     f"{prefix}q": q,
@@ -437,25 +523,26 @@ def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _Li
                 weights[fmt] = weight
             types = [
                 TensorType(DType.float32, ["m", _K], device),
+                TensorType(DType.float32, ["m", _K_FACTORED], device),
                 TensorType(DType.float32, ["m", _N], device),
             ]
             with Graph(f"lin_{block_cols}", input_types=types, custom_extensions=[kernels]) as g:
-                x, residual = (v.tensor for v in g.inputs)
+                x_plain, x_factored, residual = (v.tensor for v in g.inputs)
                 made: dict[str, Weight] = {}
                 outputs = []
                 # A copy alone takes the register blocks' width as an argument.
                 alone = {"block_cols": block_cols}
                 for fmt in PACKED_FORMATS:
-                    prefix = f"f{fmt.bits}_{fmt.block}_"
+                    x = x_factored if fmt.factored else x_plain
                     for holding in _HOLDINGS:
-                        w, quantized = _linear_weights(registry, prefix, holding, made)
+                        w, quantized = _linear_weights(registry, _prefix(fmt), holding, made)
                         extra = alone if w is None else {}
                         outputs.append(kvops.linear_packed(x, w, _N, quantized, **extra))
                 for holding in _HOLDINGS:  # the residual, over the 4-bit weight
                     w, quantized = _linear_weights(registry, "f4_32_", holding, made)
                     extra = alone if w is None else {}
                     outputs.append(
-                        kvops.linear_packed(x, w, _N, quantized, residual=residual, **extra)
+                        kvops.linear_packed(x_plain, w, _N, quantized, residual=residual, **extra)
                     )
                 g.output(*outputs)
             built[block_cols] = _LinearCase(session.load(g, weights_registry=registry), weights)
@@ -466,7 +553,11 @@ def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _Li
 
 @pytest.mark.compile
 @pytest.mark.parametrize("block_cols", kvops.BLOCK_COLS)
-@pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f"{f.bits}bit_block{f.block}")
+@pytest.mark.parametrize(
+    "fmt",
+    PACKED_FORMATS,
+    ids=lambda f: f"{f.bits}bit_block{f.block}{'_factored' if f.factored else ''}",
+)
 def test_quantized_matmul_is_bit_identical_to_float32(
     linear_case: Callable[[int], _LinearCase], fmt: PackedFormat, block_cols: int
 ) -> None:
@@ -481,7 +572,7 @@ def test_quantized_matmul_is_bit_identical_to_float32(
     # <= 8 rows read the quantized copy; the others cover every register-block split
     # (blocks of 4 rows with 64 columns, of 6 with 16)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
-        x = rng.standard_normal((m, _K)).astype(np.float32)
+        x = rng.standard_normal((m, _k(fmt))).astype(np.float32)
         held = case.held(fmt, x)
         reference = x.astype(np.float64) @ weight.T.astype(np.float64)
         # A sum of 608 float32 products rounds ~sqrt(608) times 6e-8 of its scale.
@@ -526,6 +617,45 @@ def test_residual_is_added_in_the_epilogue(
         assert np.all(np.abs(product - reference) <= 1e-5 * (np.abs(x) @ np.abs(weight).T))
         for holding, got in zip(_HOLDINGS, out[-len(_HOLDINGS) :], strict=True):
             np.testing.assert_array_equal(got, residual + product, err_msg=f"M={m}, {holding}")
+
+
+@pytest.mark.compile
+def test_rows_are_gathered_from_the_tiles(session: InferenceSession, kernels: Path) -> None:
+    """``gather_quantized`` over every copy format gives the rows of the dequantized
+    matrix bit for bit (the embedding of a tied head's table); a token outside the
+    table raises instead of reading past it."""
+    device = DeviceRef.CPU()
+    n = 200  # the last tile partly padding
+    registry: dict[str, np.ndarray] = {}
+    tables = []
+    for i, fmt in enumerate(PACKED_FORMATS):
+        copy = _random_copy(np.random.default_rng(40 + i), n, 512, fmt)
+        registry[f"q{i}"], registry[f"sm{i}"] = copy.pack()
+        tables.append(copy.dequantize())
+    tokens_type = TensorType(DType.int64, ["t"], device)
+    with Graph("gather", input_types=[tokens_type], custom_extensions=[kernels]) as g:
+        tokens = g.inputs[0].tensor
+        outputs = []
+        for i in range(len(PACKED_FORMATS)):
+            q = Weight(f"q{i}", DType.uint8, registry[f"q{i}"].shape, device)
+            sm = Weight(f"sm{i}", DType.float32, registry[f"sm{i}"].shape, device)
+            outputs.append(kvops.gather_quantized(tokens, (q, sm), n, 512))
+        g.output(*outputs)
+    model = session.load(g, weights_registry=registry)
+    ids = np.array([0, 199, 63, 64, 130, 5, 5], np.int64)
+    got = model.execute(Buffer.from_numpy(ids))
+    for fmt, table, rows in zip(PACKED_FORMATS, tables, got, strict=True):
+        np.testing.assert_array_equal(rows.to_numpy(), table[ids], err_msg=str(fmt))
+    for bad in (200, -1):
+        with pytest.raises(Exception, match="outside the table's 200 rows"):
+            model.execute(Buffer.from_numpy(np.array([3, bad], np.int64)))
+    with Graph("gather_bad", input_types=[tokens_type], custom_extensions=[kernels]) as g:
+        q = Weight("q", DType.uint8, registry["q0"].shape, device)
+        sm = Weight("sm", DType.float32, registry["sm0"].shape, device)
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.gather_quantized(g.inputs[0].tensor, (q, sm), n, 256)  # the wrong K
+        with pytest.raises(ValueError, match="not a packed quantized"):
+            kvops.gather_quantized(g.inputs[0].tensor, (q, sm), 300, 512)  # the wrong rows
 
 
 @pytest.mark.unit

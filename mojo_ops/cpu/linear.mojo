@@ -19,8 +19,11 @@ the weights two column blocks ahead (see `_column_block`).  CPU and float32 only
 use MAX's matmul (see `maxkv.ops.linear`).
 
 `maxkv.linear_packed_q` also takes a block-quantized copy of the same
-weights (GGUF's blocks, `maxkv.cpu.quantized`: 4-bit integers with a scale
-and offset per 32 weights along K, or 8-bit ones per 32 or 16): steps of up
+weights (GGUF's blocks, `maxkv.cpu.quantized`: 4-bit integers with a float32
+scale and offset per 32 weights along K, or 8-bit ones per 32 or 16; or, for
+the K-quants, 4-bit integers per 32 or 6-bit ones per 16 whose scales and
+offsets are products of two float32 factors per 256 weights and two int8
+multipliers per block, see `_scales`): steps of up
 to `QUANT_MAX_ROWS` rows stream that copy, 3 to 7 times fewer bytes, and
 dequantize each tile row in registers with one rounding per weight, so the
 results are bit-identical to the float32 path, which larger steps use (there
@@ -65,12 +68,51 @@ comptime PREFETCH_SPAN = 6
 """Weight rows per prefetch round of a register block (see `_column_block`)."""
 comptime PREFETCH_AHEAD = 2
 """Column blocks ahead of the current one whose weights are prefetched."""
+comptime SUPER_K = 256
+"""Weights along K per float32 scale pair of a factored copy (GGML's K-quant super-block)."""
 comptime PANEL_K = 256
 """Weight rows of a column block dequantized at a time by steps of more than
 `QUANT_MAX_ROWS` rows over a quantized copy alone: 256 x 64 float32 is 64 KiB,
 in L2 with room for the rows of `x` (a multiple of both block sizes)."""
 comptime CLAIM_STRIDE = 8
 """Int64s between two pairs' claim counters in `_linear` (one 64-byte line each)."""
+
+
+def sm_slots[QB: Int, FACT: Bool]() -> Int:
+    """float32 rows of 64 in `sm` per block (`FACT` False: a scale and an offset)
+    or, factored, per `SUPER_K` rows: two float32 factors, then the int8
+    multipliers of its `SUPER_K / QB` blocks, four to a float32 slot."""
+    comptime if FACT:
+        return 2 + 2 * (SUPER_K // QB) // 4
+    return 2
+
+
+@always_inline
+def _scales[C: Int, C0: Int, QB: Int, FACT: Bool](
+    sm: Ptr, kb: Int
+) -> StaticTuple[SIMD[DType.float32, C], 2]:
+    """Block `kb`'s scale and offset for columns `C0 .. C0 + C` of a tile.
+
+    Plain (`FACT` False): stored, `sm[kb, 0 | 1, j]`.  Factored: the products
+    `d[0, j] * a[kb, j]` and `d[1, j] * b[kb, j]` of its super-block's float32
+    factors and its int8 multipliers, exact in float32 (a float16 times an
+    integer below 2^7), so the same values the plain layout stores.
+    """
+    var out = StaticTuple[SIMD[DType.float32, C], 2](fill=SIMD[DType.float32, C](0))
+    comptime if FACT:
+        comptime PER = SUPER_K // QB
+        var base = sm.unsafe_offset((kb // PER) * sm_slots[QB, FACT]() * TILE)
+        var mult = base.unsafe_offset(2 * TILE).unsafe_bitcast[Int8]().unsafe_offset(
+            (kb % PER) * 2 * TILE + C0
+        )
+        out[0] = base.unsafe_load[width=C](C0) * mult.unsafe_load[width=C](0).cast[DType.float32]()
+        out[1] = base.unsafe_load[width=C](TILE + C0) * mult.unsafe_load[width=C](TILE).cast[
+            DType.float32
+        ]()
+    else:
+        out[0] = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
+        out[1] = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
+    return out
 
 
 def block_rows[C: Int]() -> Int:
@@ -85,24 +127,36 @@ def _dequant[BITS: Int, C: Int, C0: Int](
 ) -> SIMD[DType.float32, C]:
     """Columns `C0 .. C0 + C` of row `k` of a quantized tile: `fma(q, scale, offset)`.
 
-    With `q * scale` exact in float32 (a float16 scale times a 4- or 8-bit
-    integer), this is the single rounding of `scale * q + offset`, the value
-    the float32 copy holds.  4-bit tiles hold column `j < 32` in the low
-    nibble of byte `j` and column `j >= 32` in the high nibble of byte `j - 32`.
+    With `q * scale` exact in float32 (a float16 scale times an integer of
+    at most 8 bits), this is the single rounding of `scale * q + offset`, the
+    value the float32 copy holds.  A row holds `64 * BITS / 8` bytes: 8 bits,
+    column `j` in byte `j`; 4 bits, column `j < 32` in the low nibble of byte
+    `j` and column `j >= 32` in the high nibble of byte `j - 32`; 6 bits, those
+    32 bytes of low nibbles, then 16 bytes of the top two bits: column `j` in
+    bits `2 (j / 16)` of byte `32 + j % 16`.
     """
+    comptime ROW = TILE * BITS // 8
     comptime if BITS == 8:
-        return q.unsafe_load[width=C](k * TILE + C0).cast[DType.float32]().fma(scale, offset)
-    elif C == TILE:
-        var v = q.unsafe_load[width=TILE // 2](k * (TILE // 2))
-        var low = (v & 15).cast[DType.float32]()
-        var high = (v >> 4).cast[DType.float32]()
-        return rebind[SIMD[DType.float32, C]](low.join(high)).fma(scale, offset)
+        return q.unsafe_load[width=C](k * ROW + C0).cast[DType.float32]().fma(scale, offset)
+    var low: SIMD[DType.uint8, C]
+    comptime if C == TILE:
+        var v = q.unsafe_load[width=TILE // 2](k * ROW)
+        low = rebind[SIMD[DType.uint8, C]]((v & 15).join(v >> 4))
     elif C0 < TILE // 2:
-        var v = q.unsafe_load[width=C](k * (TILE // 2) + C0)
-        return (v & 15).cast[DType.float32]().fma(scale, offset)
+        low = q.unsafe_load[width=C](k * ROW + C0) & 15
     else:
-        var v = q.unsafe_load[width=C](k * (TILE // 2) + C0 - TILE // 2)
-        return (v >> 4).cast[DType.float32]().fma(scale, offset)
+        low = q.unsafe_load[width=C](k * ROW + C0 - TILE // 2) >> 4
+    comptime if BITS == 6:
+        var high: SIMD[DType.uint8, C]
+        comptime if C == TILE:
+            var h = q.unsafe_load[width=16](k * ROW + TILE // 2)
+            high = rebind[SIMD[DType.uint8, C]](
+                ((h & 3).join((h >> 2) & 3)).join(((h >> 4) & 3).join(h >> 6))
+            )
+        else:
+            high = (q.unsafe_load[width=C](k * ROW + TILE // 2) >> UInt8(2 * (C0 // 16))) & 3
+        low = low | (high << 4)
+    return low.cast[DType.float32]().fma(scale, offset)
 
 
 @always_inline
@@ -118,7 +172,7 @@ def _fma_k[R: Int, C: Int](
 
 
 @always_inline
-def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLOCK](
+def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLOCK, FACT: Bool = False](
     x: Ptr,
     w: Ptr,
     q: U8Ptr,
@@ -139,10 +193,9 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
     like `dst`): the residual add of a transformer layer, one float32 add
     per output, the bits of adding the two afterwards.
 
-    `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4 or
-    8 read the quantized tile `q` with its scales and offsets `sm` per `QB`
-    rows,
-    dequantized row by row in registers to the same float32 values.  Either
+    `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4, 6
+    or 8 read the quantized tile `q` with its scales and offsets `sm` per `QB`
+    rows (factored with `FACT`, see `_scales`), dequantized row by row in registers to the same float32 values.  Either
     way each output is `fma(x[m, k], w[k], acc)` for `k = 0 .. K - 1` in
     order, so the block shape, the layout and the weight copy never change
     a result's bits.
@@ -179,11 +232,10 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
             _fma_k[R, C](rows, k, w.unsafe_load[width=C](k * C), acc)
     else:
         for kb in range(K // QB):
-            var scale = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
-            var offset = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
+            var so = _scales[C, C0, QB, FACT](sm, kb)
             for kk in range(QB):
                 var k = kb * QB + kk
-                _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, scale, offset), acc)
+                _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, so[0], so[1]), acc)
     _store[R, C, C0, ADD](acc, dst, residual, m0, N, n0, True)
 
 
@@ -261,7 +313,7 @@ def _panel_block[R: Int, C: Int, C0: Int, ADD: Bool](
 
 
 @always_inline
-def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
+def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
     x: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, residual: Ptr, panel: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows from a quantized tile
@@ -277,11 +329,10 @@ def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
     while k0 < K:
         var kc = min(PANEL_K, K - k0)
         for kb in range(k0 // QB, (k0 + kc) // QB):
-            var scale = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
-            var offset = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
+            var so = _scales[C, C0, QB, FACT](sm, kb)
             for kk in range(QB):
                 var k = kb * QB + kk
-                panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, scale, offset))
+                panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, so[0], so[1]))
         var m = 0
         while m < M:
             var rows = _next_rows[R](M - m)
@@ -309,7 +360,7 @@ def _next_rows[R: Int](rest: Int) -> Int:
 
 
 @always_inline
-def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
+def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
     x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, pf: Ptr, residual: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows, a register block at a time.
@@ -341,12 +392,16 @@ def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int](
         var first = index if step > 0 and index < step else PREFETCH_SPAN
         comptime for r in range(1, R + 1):
             if rows == r:
-                _block[r, BITS, C, C0, ADD, QB](x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual)
+                _block[r, BITS, C, C0, ADD, QB, FACT](
+                    x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual
+                )
         m += rows
         index += 1
 
 
-def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False](
+def _linear[
+    BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False, FACT: Bool = False
+](
     xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int, residual: Ptr
 ) raises:
     """`op[M, N] = xp[M, K] @ w.T` (plus `residual[M, N]` with `ADD`) over the float32 tiles `wp` (`BITS == FLOAT32`,
@@ -375,7 +430,7 @@ def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False]
     var workers = max(1, min(parallelism_level(None), blocks))
     var pairs = (workers + 1) // 2
     var q_tile = K * TILE * BITS // 8
-    var sm_tile = (K // QB) * 2 * TILE
+    var sm_tile = (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
     # One claim counter per pair, each on its own cache line.
     var claimed = alloc[Int64](pairs * CLAIM_STRIDE).unsafe_origin_cast[MutUntrackedOrigin]()
     for p in range(pairs):
@@ -404,11 +459,11 @@ def _linear[BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False]
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
                     comptime if PANEL:
-                        _panel_column_block[BITS, C, b * C, ADD, QB](
+                        _panel_column_block[BITS, C, b * C, ADD, QB, FACT](
                             xp, q, sm, op, M, K, N, t * TILE, residual, panel
                         )
                     else:
-                        _column_block[BITS, C, b * C, ADD, QB](
+                        _column_block[BITS, C, b * C, ADD, QB, FACT](
                             xp, w, q, sm, op, M, K, N, t * TILE, pf, residual
                         )
         panel.unsafe_free()
@@ -451,8 +506,7 @@ def _run[
     wp: Ptr,
     has_w: Bool,
     qp: U8Ptr,
-    q_width: Int,
-    q_block: Int,
+    q_kind: Int,
     smp: Ptr,
     residual: Ptr,
     residual_rows: Int,
@@ -461,10 +515,9 @@ def _run[
     """The body of every `maxkv.linear_packed*` and `maxkv.linear_quantized*`
     op, after its own checks of the weights (`tiles` tiles of 64 columns).
 
-    `wp`: the float32 tiles where `has_w` (else never read: a quantized copy alone).  `q_width`
-    0: no quantized copy (`qp` and `smp` are never read); else the bytes per
-    row of a quantized tile (64 for 8 bits, 32 for 4), with a scale and
-    offset per `q_block` rows (32, or 16 with 8 bits).  With `ADD`,
+    `wp`: the float32 tiles where `has_w` (else never read: a quantized copy alone).  `q_kind`
+    `NO_COPY`: no quantized copy (`qp` and `smp` are never read); else its
+    format (`_check_quantized`).  With `ADD`,
     `residual` is `[residual_rows, residual_cols]`, checked here against the
     output.
     """
@@ -483,26 +536,47 @@ def _run[
         return
     var xp = _ptr(x)
     var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    if q_width == 0 or (M > QUANT_MAX_ROWS and has_w):
+    if q_kind == NO_COPY or (M > QUANT_MAX_ROWS and has_w):
         _linear[FLOAT32, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
     elif M > QUANT_MAX_ROWS:
-        _dispatch_quantized[block_cols, ADD, True](xp, qp, q_width, q_block, smp, op, M, K, N, tiles, residual)
+        _dispatch_quantized[block_cols, ADD, True](xp, qp, q_kind, smp, op, M, K, N, tiles, residual)
     else:
-        _dispatch_quantized[block_cols, ADD, False](xp, qp, q_width, q_block, smp, op, M, K, N, tiles, residual)
+        _dispatch_quantized[block_cols, ADD, False](xp, qp, q_kind, smp, op, M, K, N, tiles, residual)
+
+
+comptime NO_COPY = -1
+"""`q_kind` of an op with no quantized copy."""
+comptime Q4 = 0
+"""4-bit integers, a float32 scale and offset per `QBLOCK` (Q4_0, Q4_1)."""
+comptime Q8 = 1
+"""8-bit integers, a float32 scale and offset per `QBLOCK` (Q5_0, Q5_1, Q8_0)."""
+comptime Q8_SMALL = 2
+"""8-bit integers, a float32 scale and offset per `QBLOCK_SMALL`."""
+comptime Q4_FACTORED = 3
+"""4-bit integers, int8 multipliers per `QBLOCK` and float32 factors per `SUPER_K` (Q4_K)."""
+comptime Q6_FACTORED = 4
+"""6-bit integers, int8 multipliers per `QBLOCK_SMALL` and float32 factors per
+`SUPER_K` (Q6_K, and Q2_K, Q3_K, Q5_K's integers)."""
 
 
 def _dispatch_quantized[block_cols: Int, ADD: Bool, PANEL: Bool](
-    xp: Ptr, qp: U8Ptr, q_width: Int, q_block: Int, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int,
+    xp: Ptr, qp: U8Ptr, q_kind: Int, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int,
     tiles: Int, residual: Ptr,
 ) raises:
-    """`_linear` over a quantized copy in its format (`q_width`, `q_block`)."""
+    """`_linear` over a quantized copy in its format (`q_kind`)."""
     var wp = smp  # no float32 tiles are read
-    if q_width == TILE and q_block == QBLOCK_SMALL:
-        _linear[8, block_cols, ADD, QBLOCK_SMALL, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
-    elif q_width == TILE:
-        _linear[8, block_cols, ADD, QBLOCK, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
-    else:
+    if q_kind == Q4:
         _linear[4, block_cols, ADD, QBLOCK, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_kind == Q8:
+        _linear[8, block_cols, ADD, QBLOCK, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_kind == Q8_SMALL:
+        _linear[8, block_cols, ADD, QBLOCK_SMALL, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_kind == Q4_FACTORED:
+        _linear[4, block_cols, ADD, QBLOCK, PANEL, True](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    else:
+        _linear[6, block_cols, ADD, QBLOCK_SMALL, PANEL, True](
+            xp, wp, qp, smp, op, M, K, N, tiles, residual
+        )
 
 
 def _check_quantized(
@@ -514,25 +588,37 @@ def _check_quantized(
     sm: InputTensor[dtype=DType.float32, rank=4, ...],
 ) raises -> Int:
     """Checks a quantized copy of a packed `[N, K]` weight of `tiles` tiles; returns its
-    rows per block (`QBLOCK`, or `QBLOCK_SMALL` for an 8-bit copy with `K / 16` blocks)."""
+    format (`Q4` .. `Q6_FACTORED`), told apart by the shapes: `q` `[tiles, K,
+    64 * bits / 8]`; plain, `sm` `[tiles, K / QB, 2, 64]`; factored, `sm`
+    `[tiles, K / SUPER_K, sm_slots, 64]`."""
     var q_width = q.dim_size(2)
-    var q_block = QBLOCK_SMALL if q_width == TILE and sm.dim_size(1) * QBLOCK_SMALL == K else QBLOCK
+    var blocks = sm.dim_size(1)
+    var kind = NO_COPY
+    if K > 0 and sm.dim_size(2) == 2:
+        if q_width == TILE // 2 and blocks * QBLOCK == K:
+            kind = Q4
+        elif q_width == TILE and blocks * QBLOCK == K:
+            kind = Q8
+        elif q_width == TILE and blocks * QBLOCK_SMALL == K:
+            kind = Q8_SMALL
+    elif K > 0 and blocks * SUPER_K == K:
+        if q_width == TILE // 2 and sm.dim_size(2) == sm_slots[QBLOCK, True]():
+            kind = Q4_FACTORED
+        elif q_width == TILE * 6 // 8 and sm.dim_size(2) == sm_slots[QBLOCK_SMALL, True]():
+            kind = Q6_FACTORED
     if (
-        K % q_block != 0
+        kind == NO_COPY
         or q.dim_size(0) != tiles
         or q.dim_size(1) != K
-        or (q_width != TILE and q_width != TILE // 2)
         or sm.dim_size(0) != tiles
-        or sm.dim_size(1) != K // q_block
-        or sm.dim_size(2) != 2
         or sm.dim_size(3) != TILE
     ):
         raise Error(
             name, ": q [", q.dim_size(0), ", ", q.dim_size(1), ", ", q_width,
-            "], sm [", sm.dim_size(0), ", ", sm.dim_size(1), ", ", sm.dim_size(2), ", ",
+            "], sm [", sm.dim_size(0), ", ", blocks, ", ", sm.dim_size(2), ", ",
             sm.dim_size(3), "] are not a quantized [", N, ", ", K, "] weight",
         )
-    return q_block
+    return kind
 
 
 @extensibility.register("maxkv.linear_packed")
@@ -552,7 +638,7 @@ struct LinearPacked:
         comptime name = "maxkv.linear_packed"
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
         var wp = _ptr(w_packed)  # no quantized copy or residual: never read
-        _run[block_cols, False](name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), 0, 0, wp, wp, 0, 0)
+        _run[block_cols, False](name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), NO_COPY, wp, wp, 0, 0)
 
 
 @extensibility.register("maxkv.linear_packed_add")
@@ -574,7 +660,7 @@ struct LinearPackedAdd:
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
         var wp = _ptr(w_packed)  # no quantized copy: never read
         _run[block_cols, True](
-            name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), 0, 0, wp,
+            name, output, x, tiles, wp, True, wp.unsafe_bitcast[UInt8](), NO_COPY, wp,
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 
@@ -588,7 +674,9 @@ struct LinearPackedQ:
     tile `t`, row `k`, column `j` is
     `fma(q, sm[t, k / B, 0, j], sm[t, k / B, 1, j])`, where `q` is
     byte `j` (8 bits) or, for 4 bits, the low nibble of byte `j` (`j < 32`)
-    or the high nibble of byte `j - 32`.  Up to `QUANT_MAX_ROWS` rows read
+    or the high nibble of byte `j - 32` (6 bits: see `_dequant`).  Factored
+    copies' `sm` is `[tiles, K / 256, sm_slots, 64]` (see `_scales`); the
+    shapes tell the formats apart (`_check_quantized`).  Up to `QUANT_MAX_ROWS` rows read
     the quantized copy (4 to 8 times fewer bytes), more rows the float32
     one; both give bit-identical results.
     """
@@ -607,10 +695,10 @@ struct LinearPackedQ:
         comptime assert is_cpu[target](), "maxkv.linear_packed_q runs on CPU"
         comptime name = "maxkv.linear_packed_q"
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
-        var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        var q_kind = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         var smp = _ptr(sm)  # no residual: never read
         _run[block_cols, False](
-            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
+            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q_kind, smp, smp, 0, 0
         )
 
 
@@ -633,9 +721,9 @@ struct LinearPackedQAdd:
         comptime assert is_cpu[target](), "maxkv.linear_packed_q_add runs on CPU"
         comptime name = "maxkv.linear_packed_q_add"
         var tiles = _check_packed[block_cols](name, x.dim_size(0), x.dim_size(1), output.dim_size(1), w_packed)
-        var q_block = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
+        var q_kind = _check_quantized(name, x.dim_size(1), output.dim_size(1), tiles, q, sm)
         _run[block_cols, True](
-            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
+            name, output, x, tiles, _ptr(w_packed), True, _ptr(q), q_kind, _ptr(sm),
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
 
@@ -665,10 +753,10 @@ struct LinearQuantized:
         comptime name = "maxkv.linear_quantized"
         var N = output.dim_size(1)
         var tiles = (N + TILE - 1) // TILE
-        var q_block = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
+        var q_kind = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
         var smp = _ptr(sm)  # no float32 tiles or residual: never read
         _run[block_cols, False](
-            name, output, x, tiles, smp, False, _ptr(q), q.dim_size(2), q_block, smp, smp, 0, 0
+            name, output, x, tiles, smp, False, _ptr(q), q_kind, smp, smp, 0, 0
         )
 
 
@@ -692,11 +780,108 @@ struct LinearQuantizedAdd:
         comptime name = "maxkv.linear_quantized_add"
         var N = output.dim_size(1)
         var tiles = (N + TILE - 1) // TILE
-        var q_block = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
+        var q_kind = _check_quantized(name, x.dim_size(1), N, tiles, q, sm)
         _run[block_cols, True](
-            name, output, x, tiles, _ptr(sm), False, _ptr(q), q.dim_size(2), q_block, _ptr(sm),
+            name, output, x, tiles, _ptr(sm), False, _ptr(q), q_kind, _ptr(sm),
             _ptr(residual), residual.dim_size(0), residual.dim_size(1),
         )
+
+
+@always_inline
+def _column_value[BITS: Int, QB: Int, FACT: Bool](q: U8Ptr, sm: Ptr, k: Int, c: Int) -> Float32:
+    """Row `k`, column `c` of a quantized tile: the value `_dequant` gives there,
+    `fma(q, scale, offset)` with `_scales`' scale and offset, one column at a time."""
+    comptime ROW = TILE * BITS // 8
+    var v: UInt8
+    comptime if BITS == 8:
+        v = q[unsafe_offset=k * ROW + c]
+    else:
+        var byte = q[unsafe_offset=k * ROW + c % (TILE // 2)]
+        v = byte & 15 if c < TILE // 2 else byte >> 4
+        comptime if BITS == 6:
+            var top = q[unsafe_offset=k * ROW + TILE // 2 + c % 16]
+            v = v | (((top >> UInt8(2 * (c // 16))) & 3) << 4)
+    var kb = k // QB
+    var scale: Float32
+    var offset: Float32
+    comptime if FACT:
+        comptime PER = SUPER_K // QB
+        var base = sm.unsafe_offset((kb // PER) * sm_slots[QB, FACT]() * TILE)
+        var mult = base.unsafe_offset(2 * TILE).unsafe_bitcast[Int8]().unsafe_offset(
+            (kb % PER) * 2 * TILE + c
+        )
+        scale = base[unsafe_offset=c] * Float32(mult[unsafe_offset=0])
+        offset = base[unsafe_offset=TILE + c] * Float32(mult[unsafe_offset=TILE])
+    else:
+        scale = sm[unsafe_offset=kb * 2 * TILE + c]
+        offset = sm[unsafe_offset=kb * 2 * TILE + TILE + c]
+    return Float32(v).fma(scale, offset)
+
+
+def _gather[BITS: Int, QB: Int, FACT: Bool](
+    op: Ptr, tokens: UnsafePointer[Int64, MutUntrackedOrigin], T: Int, K: Int, qp: U8Ptr, smp: Ptr
+):
+    """`op[t] = w[tokens[t]]` (`[T, K]`) from the quantized tiles, a token per worker step."""
+    var q_tile = K * TILE * BITS // 8
+    var sm_tile = (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
+    var workers = max(1, min(parallelism_level(None), T))
+
+    def work(worker: Int) {imm}:
+        for t in range(worker * T // workers, (worker + 1) * T // workers):
+            var row = Int(tokens[unsafe_offset=t])
+            var q = qp.unsafe_offset((row // TILE) * q_tile)
+            var sm = smp.unsafe_offset((row // TILE) * sm_tile)
+            var dst = op.unsafe_offset(t * K)
+            for k in range(K):
+                dst[unsafe_offset=k] = _column_value[BITS, QB, FACT](q, sm, k, row % TILE)
+
+    sync_parallelize(work, workers)
+
+
+@extensibility.register("maxkv.gather_quantized")
+struct GatherQuantized:
+    """`output[t] = w[tokens[t]]`: rows of a `[rows, K]` matrix held as a quantized
+    copy in the tile layout `maxkv.linear_quantized` reads (`q`, `sm`), each
+    value the one the matmul dequantizes there (an embedding gathered from the
+    table its tied head reads).  A token outside `0 .. rows - 1` raises."""
+
+    @staticmethod
+    def execute[
+        rows: Int, target: StaticString
+    ](
+        output: OutputTensor[dtype=DType.float32, rank=2, ...],
+        tokens: InputTensor[dtype=DType.int64, rank=1, ...],
+        q: InputTensor[dtype=DType.uint8, rank=3, ...],
+        sm: InputTensor[dtype=DType.float32, rank=4, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "maxkv.gather_quantized runs on CPU"
+        comptime name = "maxkv.gather_quantized"
+        var T = tokens.dim_size(0)
+        var K = output.dim_size(1)
+        if output.dim_size(0) != T:
+            raise Error(name, ": output rows ", output.dim_size(0), " != tokens ", T)
+        var kind = _check_quantized(name, K, rows, (rows + TILE - 1) // TILE, q, sm)
+        var tp = tokens.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        for t in range(T):
+            var token = Int(tp[unsafe_offset=t])
+            if token < 0 or token >= rows:
+                raise Error(name, ": token ", token, " is outside the table's ", rows, " rows")
+        if T == 0:
+            return
+        var op = output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var qp = _ptr(q)
+        var smp = _ptr(sm)
+        if kind == Q4:
+            _gather[4, QBLOCK, False](op, tp, T, K, qp, smp)
+        elif kind == Q8:
+            _gather[8, QBLOCK, False](op, tp, T, K, qp, smp)
+        elif kind == Q8_SMALL:
+            _gather[8, QBLOCK_SMALL, False](op, tp, T, K, qp, smp)
+        elif kind == Q4_FACTORED:
+            _gather[4, QBLOCK, True](op, tp, T, K, qp, smp)
+        else:
+            _gather[6, QBLOCK_SMALL, True](op, tp, T, K, qp, smp)
 
 
 @extensibility.register("maxkv.swiglu")

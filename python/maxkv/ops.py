@@ -22,6 +22,7 @@ from .cpu.greedy_head import (
 from .cpu.linear import (
     BLOCK_COLS,
     PACKED_TILE,
+    gather_quantized,
     linear_packed,
     pack_linear_weight,
     packed_block_cols,
@@ -52,6 +53,7 @@ __all__ = [
     "flash_attention_ragged",
     "fused_qk_ragged_rope",
     "fused_qkv_ragged_matmul",
+    "gather_quantized",
     "greedy_head",
     "greedy_head_layout",
     "greedy_head_supported",

@@ -16,7 +16,7 @@ from max.graph import TensorType, TensorValue, ops
 from ..graph.checks import check_positive_int, check_tensor, static_dim
 from .arrays import aligned_zeros
 from .features import cpu_flags
-from .quantized import PACKED_FORMATS
+from .quantized import PACKED_FORMATS, SUPER
 
 #: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
 PACKED_TILE = 64
@@ -92,9 +92,10 @@ def linear_packed(
             with ``quantized``.
         out_features: ``N``, the rows of the unpacked weight.
         quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
-            and float32 ``[ceil(N / 64), K / block, 2, 64]``, in one of the
-            :class:`~maxkv.cpu.quantized.PackedFormat` s (bits 4 with blocks
-            of 32, bits 8 with blocks of 32 or 16).
+            and float32 ``[ceil(N / 64), K / block, 2, 64]`` (plain scales:
+            4 bits in blocks of 32, 8 in blocks of 32 or 16) or ``[ceil(N /
+            64), K / 256, slots, 64]`` (factored: 4 bits in blocks of 32, 6 in
+            blocks of 16), as :class:`~maxkv.cpu.quantized.PackedFormat` says.
         residual: float32 ``[M, out_features]`` on the CPU: returns
             ``residual + x @ w.T``, added as each output tile is stored (a
             layer's residual add without another pass; the same bits as
@@ -146,23 +147,7 @@ def linear_packed(
                 f"(expected [{tiles}, 64 / b, {k}, b], b in {BLOCK_COLS})"
             )
     if quantized is not None:
-        q, sm = quantized
-        q_shape = tuple(static_dim("q", q, i) for i in range(3))
-        sm_shape = tuple(static_dim("sm", sm, i) for i in range(4))
-        formats = PACKED_FORMATS
-        if k == 0 or not any(
-            k % f.block == 0 and (q_shape, sm_shape) == (f.q_shape(tiles, k), f.sm_shape(tiles, k))
-            for f in formats
-        ):
-            expected = " or ".join(
-                f"{list(f.q_shape(tiles, k))} / {list(f.sm_shape(tiles, k))}"
-                for f in formats
-                if k % f.block == 0
-            )
-            raise ValueError(
-                f"q {list(q_shape)} / sm {list(sm_shape)} are not a packed quantized "
-                f"[{out_features}, {k}] weight (expected {expected or 'K a multiple of 16'})"
-            )
+        _check_copy_shapes(quantized, out_features, k)
     if residual is not None and (
         residual.shape[0] != x.shape[0] or static_dim("residual", residual, 1) != out_features
     ):
@@ -179,6 +164,65 @@ def linear_packed(
         values=values,
         out_types=[TensorType(DType.float32, [x.shape[0], out_features], x.device)],
         parameters={"block_cols": bc},
+    )[0].tensor
+
+
+def _check_copy_shapes(quantized: tuple[TensorValue, TensorValue], n: int, k: int) -> None:
+    """Raises ValueError unless ``(q, sm)`` is a packed quantized ``[n, k]`` matrix
+    in one of :data:`~maxkv.cpu.quantized.PACKED_FORMATS`."""
+    q, sm = quantized
+    tiles = -(-n // PACKED_TILE)
+    q_shape = tuple(static_dim("q", q, i) for i in range(3))
+    sm_shape = tuple(static_dim("sm", sm, i) for i in range(4))
+    fitting = [f for f in PACKED_FORMATS if k % (SUPER if f.factored else f.block) == 0]
+    if k == 0 or not any(
+        (q_shape, sm_shape) == (f.q_shape(tiles, k), f.sm_shape(tiles, k)) for f in fitting
+    ):
+        expected = " or ".join(
+            f"{list(f.q_shape(tiles, k))} / {list(f.sm_shape(tiles, k))}" for f in fitting
+        )
+        raise ValueError(
+            f"q {list(q_shape)} / sm {list(sm_shape)} are not a packed quantized "
+            f"[{n}, {k}] weight (expected {expected or 'K a multiple of 16'})"
+        )
+
+
+def gather_quantized(
+    tokens: TensorValue, quantized: tuple[TensorValue, TensorValue], rows: int, k: int
+) -> TensorValue:
+    """Rows ``tokens`` of a ``[rows, k]`` matrix held as a packed quantized copy (CPU).
+
+    The copy :func:`linear_packed` reads (its ``quantized``), so a tied
+    embedding is gathered from the table its head reads, with the values the
+    matmul dequantizes there (``fma(q, scale, offset)``, one rounding: the
+    dequantized matrix's).
+
+    Args:
+        tokens: int64 ``[T]`` on the CPU; each in ``0 .. rows - 1`` (the kernel
+            raises on any other).
+        quantized: ``(q, sm)`` as :func:`linear_packed` takes them.
+        rows: The matrix's rows (an embedding's vocabulary).
+        k: Its columns (the hidden size).
+
+    Returns:
+        float32 ``[T, k]``.
+    """
+    check_tensor("tokens", tokens, DType.int64, 1)
+    q, sm = quantized
+    check_tensor("q", q, DType.uint8, 3)
+    check_tensor("sm", sm, DType.float32, 4)
+    for name, value in (("tokens", tokens), ("q", q), ("sm", sm)):
+        if not value.device.is_cpu():
+            raise ValueError(f"gather_quantized runs on CPU; {name} is on {value.device}")
+    check_positive_int("rows", rows)
+    check_positive_int("k", k)
+    _check_copy_shapes(quantized, rows, k)
+    return ops.custom(
+        "maxkv.gather_quantized",
+        device=tokens.device,
+        values=[tokens, q, sm],
+        out_types=[TensorType(DType.float32, [tokens.shape[0], k], tokens.device)],
+        parameters={"rows": rows},
     )[0].tensor
 
 

@@ -15,7 +15,11 @@ copy, :meth:`BlockQuantized.exactly` checks it weight by weight,
 
 Every type :func:`from_gguf_blocks` reads is of that form, with each
 ``q * scale`` exact in float32 (a float16 times integers of at most 13 bits),
-so ``fma`` rounds once where ``gguf.quants.dequantize`` rounds once:
+so ``fma`` rounds once where ``gguf.quants.dequantize`` rounds once.  The
+K-quants keep their factoring (:class:`Factors`): per 256 weights two float32
+factors (``d`` and ``-dmin``, or ``d`` and ``-32 d``), per block two int8
+multipliers (``sc`` and ``m``), so the kernel computes each scale and offset
+as one exact product and the copy holds about the file's bytes:
 
 =======  ==========  =====  =====================================================
 type     q stored    block  scale, offset
@@ -32,10 +36,10 @@ Q2_K     8 bits (2)  16     ``d * sc``, ``-(dmin * m)`` (4-bit ``sc``, ``m``)
 Q3_K     8 bits (3)  16     ``d * sc``, ``-4 d * sc`` (6-bit ``sc - 32``)
 =======  ==========  =====  =====================================================
 
-The kernel reads 4- and 8-bit integers, so 2-, 3-, 5- and 6-bit ones take a
-byte each: such copies hold more bytes than the file (Q5_0: 1.25 bytes a
-weight where the file has 0.69; Q2_K 1.5 where it has 0.33), still 2.7-3.2x
-fewer than float32.
+The kernel reads 4-, 6- and 8-bit integers (:data:`PACKED_FORMATS`), so
+Q5_0 and Q5_1 take a byte a weight (the file 0.69 and 0.75), Q2_K, Q3_K and
+Q5_K six bits with blocks of 16 (0.91 bytes; the file 0.33, 0.43 and 0.69);
+Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56).
 """
 
 from __future__ import annotations
@@ -46,64 +50,90 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import aligned, aligned_zeros
+from .arrays import aligned_zeros
 
 #: Weights per block along the input dimension (the kernel's default; Q6_K's are 16).
 BLOCK = 32
 #: Output columns per packed tile (as :data:`maxkv.ops.PACKED_TILE`).
 TILE = 64
+#: Weights along ``K`` per pair of float32 factors of a factored copy (GGML's super-block).
+SUPER = 256
+
+
+class Factors(NamedTuple):
+    """A K-quant's scales and offsets as products: ``scale = d[..., 0] * m[..., 0]``
+    and ``offset = d[..., 1] * m[..., 1]`` per block.
+
+    ``d`` float32 ``[N, K / 256, 2]`` (per super-block of 256 weights), ``m``
+    int8 ``[N, K / block, 2]`` (per block).  Each product is exact in float32
+    (``d`` a float16 times a power of two, ``m`` below 2^7 in size).
+    """
+
+    d: np.ndarray
+    m: np.ndarray
 
 
 class PackedFormat(NamedTuple):
     """How a packed quantized copy is laid out: the kernel's variants.
 
-    ``bits`` 4 (two integers a byte) or 8, ``block`` 32 or 16 weights per
-    scale along ``K`` (16 with 8 bits only).  The one place the shapes of
-    ``(q, sm)`` are written (see :meth:`BlockQuantized.pack`).
+    ``bits`` 4 (two integers a byte), 6 (factored only) or 8; ``block`` 32
+    or 16 weights per scale along ``K``; ``factored``: the scales and offsets
+    as :class:`Factors` (4 bits in blocks of 32, or 6 in blocks of 16), else
+    stored as float32 (4 bits in blocks of 32, 8 in blocks of 32 or 16).  The
+    one place the shapes of ``(q, sm)`` are written (see :class:`TileBuilder`).
     """
 
     bits: int
     block: int
+    factored: bool = False
 
     @staticmethod
-    def check(bits: int, block: int) -> PackedFormat:
+    def check(bits: int, block: int, factored: bool = False) -> PackedFormat:
         """The format, after checking it is one the kernel reads."""
-        if (bits, block) not in PACKED_FORMATS:
+        fmt = PackedFormat(bits, block, factored)
+        if fmt not in PACKED_FORMATS:
             raise ValueError(
                 f"the kernel reads 4-bit integers in blocks of 32 and 8-bit ones in blocks "
-                f"of 32 or 16, not {bits}-bit ones in blocks of {block}"
+                f"of 32 or 16 with float32 scales, and 4-bit ones in blocks of 32 or 6-bit "
+                f"ones in blocks of 16 with factored scales, not {fmt}"
             )
-        return PackedFormat(bits, block)
+        return fmt
+
+    @property
+    def slots(self) -> int:
+        """Rows of 64 float32 in ``sm`` per block (plain) or per super-block (factored):
+        a scale and an offset, or two factors and the int8 multipliers, four a slot."""
+        return 2 + 2 * (SUPER // self.block) // 4 if self.factored else 2
 
     def q_shape(self, tiles: int, k: int) -> tuple[int, int, int]:
         """``q``: uint8 ``[tiles, K, 64 * bits / 8]``."""
         return (tiles, k, TILE * self.bits // 8)
 
     def sm_shape(self, tiles: int, k: int) -> tuple[int, int, int, int]:
-        """``sm``: float32 ``[tiles, K / block, 2, 64]``."""
+        """``sm``: float32 ``[tiles, K / block, 2, 64]``, or factored ``[tiles, K / 256,
+        slots, 64]``."""
+        if self.factored:
+            return (tiles, k // SUPER, self.slots, TILE)
         return (tiles, k // self.block, 2, TILE)
-
-    def row_q_shape(self, n: int, k: int) -> tuple[int, int]:
-        """``q`` read by rows (:meth:`BlockQuantized.pack_rows`): uint8 ``[N, K * bits / 8]``."""
-        return (n, k * self.bits // 8)
-
-    def row_sm_shape(self, n: int, k: int) -> tuple[int, int, int]:
-        """``sm`` read by rows: float32 ``[N, K / block, 2]``."""
-        return (n, k // self.block, 2)
-
-    @staticmethod
-    def of_rows(q_shape: Sequence[int], sm_shape: Sequence[int], k: int) -> PackedFormat:
-        """The format of a ``(q, sm)`` pair read by rows of ``k`` weights, from their shapes."""
-        return PackedFormat.check(int(q_shape[1]) * 8 // k, k // int(sm_shape[1]))
 
     @staticmethod
     def of(q_shape: Sequence[int], sm_shape: Sequence[int]) -> PackedFormat:
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
-        return PackedFormat.check(int(q_shape[2]) * 8 // TILE, int(q_shape[1]) // int(sm_shape[1]))
+        bits, k = int(q_shape[2]) * 8 // TILE, int(q_shape[1])
+        if int(sm_shape[2]) == 2:
+            return PackedFormat.check(bits, k // int(sm_shape[1]))
+        block = 2 * SUPER // (4 * (int(sm_shape[2]) - 2))
+        return PackedFormat.check(bits, block, True)
 
 
 #: The formats the kernel reads (``mojo_ops/cpu/linear.mojo``).
-PACKED_FORMATS = (PackedFormat(4, 32), PackedFormat(8, 32), PackedFormat(8, 16))
+PACKED_FORMATS = (
+    PackedFormat(4, 32),
+    PackedFormat(8, 32),
+    PackedFormat(8, 16),
+    PackedFormat(4, 32, True),
+    PackedFormat(6, 16, True),
+)
 
 #: The format :func:`from_gguf_blocks` reads each GGML type in (the module's table).
 GGUF_FORMATS = {
@@ -112,29 +142,40 @@ GGUF_FORMATS = {
     "Q5_0": PackedFormat(8, 32),
     "Q5_1": PackedFormat(8, 32),
     "Q8_0": PackedFormat(8, 32),
-    "Q4_K": PackedFormat(4, 32),
-    "Q5_K": PackedFormat(8, 32),
-    "Q6_K": PackedFormat(8, 16),
-    "Q2_K": PackedFormat(8, 16),
-    "Q3_K": PackedFormat(8, 16),
+    "Q4_K": PackedFormat(4, 32, True),
+    "Q5_K": PackedFormat(6, 16, True),
+    "Q6_K": PackedFormat(6, 16, True),
+    "Q2_K": PackedFormat(6, 16, True),
+    "Q3_K": PackedFormat(6, 16, True),
 }
 #: GGML types :func:`from_gguf_blocks` reads.
 GGUF_TYPES = tuple(GGUF_FORMATS)
 
 
 def stacked_format(formats: Sequence[PackedFormat]) -> PackedFormat:
-    """The format of matrices stacked by rows: the widest ``bits`` and the smallest
-    ``block`` win (Q4_K rows over Q6_K ones are 8 bits in blocks of 16)."""
-    return PackedFormat.check(max(f.bits for f in formats), min(f.block for f in formats))
+    """The format of matrices stacked by rows: the smallest format that holds them all.
+
+    Factored ones stay factored (Q4_K rows over Q6_K ones: 6 bits in blocks of
+    16); with a plain one, all are plain, the widest ``bits`` and the smallest
+    ``block`` (Q5_0 rows over Q6_K ones: 8 bits in blocks of 16).
+    """
+    block = min(f.block for f in formats)
+    if all(f.factored for f in formats):
+        return PackedFormat.check(
+            4 if {f.bits for f in formats} == {4} and block == 32 else 6, block, True
+        )
+    return PackedFormat.check(4 if {f.bits for f in formats} == {4} else 8, block)
 
 
 @dataclass(frozen=True)
 class BlockQuantized:
     """A ``[N, K]`` matrix as ``fma(q, scale, offset)`` per block of ``block`` along ``K``.
 
-    ``q`` uint8 ``[N, K]`` (values below ``2 ** bits``), ``scale`` and
-    ``offset`` float32 ``[N, K / block]``; ``block`` 32, or 16 with 8 bits
-    (:class:`PackedFormat`).
+    ``q`` uint8 ``[N, K]`` (values below ``2 ** bits``; ``bits`` 4, 6 or 8),
+    ``scale`` and ``offset`` float32 ``[N, K / block]``; ``block`` 32 or 16.
+    ``factors``: the same scales and offsets as products (:class:`Factors`; a
+    K-quant's, made by :meth:`factored`), which the kernel reads instead of
+    float32 ones.  :attr:`format` is the kernel's layout for it.
     """
 
     q: np.ndarray
@@ -142,11 +183,13 @@ class BlockQuantized:
     offset: np.ndarray
     bits: int
     block: int = BLOCK
+    factors: Factors | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
-        PackedFormat.check(self.bits, self.block)
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"bits must be 4, 6 or 8, got {self.bits}")
+        if self.block not in (16, 32):
+            raise ValueError(f"block must be 16 or 32, got {self.block}")
         if self.q.ndim != 2 or self.q.dtype != np.uint8:
             raise ValueError(f"q must be uint8 [N, K], got {self.q.dtype} {self.q.shape}")
         n, k = self.q.shape
@@ -159,8 +202,26 @@ class BlockQuantized:
                 raise ValueError(
                     f"{name} must be float32 [{n}, {blocks}], got {value.dtype} {value.shape}"
                 )
-        if self.bits == 4 and int(self.q.max(initial=0)) > 15:
-            raise ValueError("4-bit q holds a value above 15")
+        if self.bits < 8 and int(self.q.max(initial=0)) >= 1 << self.bits:
+            raise ValueError(f"{self.bits}-bit q holds a value of {1 << self.bits} or more")
+        if self.factors is not None:
+            _check_factors(self.q, self.factors, self.bits, self.block)
+
+    @staticmethod
+    def factored(
+        q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, block: int
+    ) -> BlockQuantized:
+        """A copy whose scales and offsets are ``d * m`` (:class:`Factors`), computed
+        here in float32 as the kernel computes them.
+
+        Raises:
+            ValueError: If the shapes or dtypes do not fit (see :class:`Factors`).
+        """
+        _check_factors(q, Factors(d, m), bits, block)
+        times = SUPER // block
+        scale = np.repeat(d[..., 0], times, axis=1) * m[..., 0].astype(np.float32)
+        offset = np.repeat(d[..., 1], times, axis=1) * m[..., 1].astype(np.float32)
+        return BlockQuantized(q, scale, offset, bits, block, Factors(d, m))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -168,36 +229,47 @@ class BlockQuantized:
 
     @property
     def format(self) -> PackedFormat:
-        """The kernel variant that reads this copy."""
-        return PackedFormat(self.bits, self.block)
+        """The kernel's layout for this copy: factored, 4 bits in blocks of 32 or else
+        6 in blocks of 16; plain, 4 bits in blocks of 32 or else 8."""
+        if self.factors is not None:
+            if self.bits == 4 and self.block == BLOCK:
+                return PackedFormat(4, BLOCK, True)
+            return PackedFormat(6, 16, True)
+        return PackedFormat.check(4 if self.bits == 4 and self.block == BLOCK else 8, self.block)
 
     def with_block(self, block: int) -> BlockQuantized:
-        """The same values in blocks of ``block`` (16 from 32: each scale twice), 8 bits."""
+        """The same values in blocks of ``block`` (16 from 32: each scale twice)."""
         if block == self.block:
             return self
         if self.block % block:
             raise ValueError(f"blocks of {self.block} cannot be split into blocks of {block}")
         times = self.block // block
+        factors = None
+        if self.factors is not None:
+            factors = Factors(self.factors.d, np.repeat(self.factors.m, times, 1))
         return BlockQuantized(
-            self.q, np.repeat(self.scale, times, 1), np.repeat(self.offset, times, 1), 8, block
+            self.q,
+            np.repeat(self.scale, times, 1),
+            np.repeat(self.offset, times, 1),
+            self.bits,
+            block,
+            factors,
         )
 
-    def pack_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(q, sm)`` read a row at a time (the embedding's gather).
+    def as_format(self, fmt: PackedFormat) -> BlockQuantized:
+        """The same values laid out as ``fmt`` (one that holds this copy's: see
+        :func:`stacked_format`).
 
-        ``q`` uint8 ``[N, K * bits / 8]``: with 4 bits, byte ``j`` of a row
-        holds weight ``j`` in its low and weight ``j + K / 2`` in its high
-        nibble; ``sm`` float32 ``[N, K / block, 2]``: each block's scale and
-        offset.  (Shapes: :meth:`PackedFormat.row_q_shape`, ``row_sm_shape``.)
+        Raises:
+            ValueError: If ``fmt`` cannot hold them.
         """
-        n, k = self.shape
-        q = self.q
-        if self.bits == 4:
-            q = q[:, : k // 2] | (q[:, k // 2 :] << 4)
-        sm = np.stack([self.scale, self.offset], axis=-1)
-        assert q.shape == self.format.row_q_shape(n, k)
-        assert sm.shape == self.format.row_sm_shape(n, k)
-        return aligned(q), aligned(sm)
+        if stacked_format([self.format, fmt]) != fmt:
+            raise ValueError(f"a {self.format} copy does not fit {fmt}")
+        part = self.with_block(fmt.block)
+        factors = part.factors if fmt.factored else None
+        part = BlockQuantized(part.q, part.scale, part.offset, fmt.bits, fmt.block, factors)
+        assert part.format == fmt
+        return part
 
     def dequantize(self) -> np.ndarray:
         """The float32 ``[N, K]`` matrix: ``q * scale + offset`` in float32.
@@ -223,22 +295,32 @@ class BlockQuantized:
 
     def rows(self, order: np.ndarray) -> BlockQuantized:
         """The matrix with its rows taken in ``order``."""
+        factors = None
+        if self.factors is not None:
+            factors = Factors(self.factors.d[order], self.factors.m[order])
         return BlockQuantized(
-            self.q[order], self.scale[order], self.offset[order], self.bits, self.block
+            self.q[order], self.scale[order], self.offset[order], self.bits, self.block, factors
         )
 
     @staticmethod
     def concat(parts: Sequence[BlockQuantized]) -> BlockQuantized:
-        """Stacks matrices of one ``K`` by rows (as ``np.concatenate``): widest ``bits``
-        and smallest ``block`` win (Q5_0 and Q6_K rows stack as 8 bits in blocks of 16)."""
+        """Stacks matrices of one ``K`` by rows (as ``np.concatenate``) in their
+        :func:`stacked_format` (Q5_0 and Q6_K rows: 8 bits in blocks of 16)."""
         fmt = stacked_format([p.format for p in parts])
-        parts = [p.with_block(fmt.block) for p in parts]
+        parts = [p.as_format(fmt) for p in parts]
+        factors = None
+        if fmt.factored:
+            factors = Factors(
+                np.concatenate([p.factors.d for p in parts if p.factors is not None]),
+                np.concatenate([p.factors.m for p in parts if p.factors is not None]),
+            )
         return BlockQuantized(
             np.concatenate([p.q for p in parts]),
             np.concatenate([p.scale for p in parts]),
             np.concatenate([p.offset for p in parts]),
-            fmt.bits,
+            max(p.bits for p in parts),
             fmt.block,
+            factors,
         )
 
     def pack(self) -> tuple[np.ndarray, np.ndarray]:
@@ -255,10 +337,15 @@ class TileBuilder:
 
     ``q`` uint8 ``[ceil(N / 64), K, 64 * bits / 8]``: tile ``t``, row ``k``
     holds the integers of columns ``64 t ..``; with 4 bits, byte ``j`` holds
-    column ``j`` in its low and column ``j + 32`` in its high nibble.  ``sm``
+    column ``j`` in its low and column ``j + 32`` in its high nibble; with 6
+    bits, those 32 bytes of low nibbles, then 16 bytes of the top two bits
+    (column ``j`` in bits ``2 (j // 16)`` of byte ``32 + j % 16``).  ``sm``
     float32 ``[ceil(N / 64), K / block, 2, 64]``: each block's scales, then
-    offsets.  Padding columns are zero.  Rows may come in any pieces, each
-    once (:meth:`write`), so a large matrix is never held unpacked whole.
+    offsets; factored, ``[ceil(N / 64), K / 256, slots, 64]``: per 256 rows
+    the two factors ``d``, then the bytes of the int8 multipliers ``m``
+    ``[256 / block, 2, 64]``.  Padding columns are zero.  Rows may come in
+    any pieces, each once (:meth:`write`), so a large matrix is never held
+    unpacked whole.
     """
 
     def __init__(self, fmt: PackedFormat, n: int, k: int) -> None:
@@ -275,29 +362,85 @@ class TileBuilder:
                 or blocks that cannot be split into the format's).
         """
         n, k = part.shape
-        if k != self.k or not 0 <= row <= row + n <= self.n or part.bits > self.format.bits:
+        fmt = self.format
+        if k != self.k or not 0 <= row <= row + n <= self.n:
             raise ValueError(
-                f"a {part.bits}-bit [{n}, {k}] part does not fit rows {row}.. of a "
-                f"{self.format.bits}-bit [{self.n}, {self.k}] matrix"
+                f"a [{n}, {k}] part does not fit rows {row}.. of a [{self.n}, {self.k}] matrix"
             )
-        part = part.with_block(self.format.block)
-        half = TILE // 2
-        for tile in range(row // TILE, -(-(row + n) // TILE)):
-            first, last = max(row, tile * TILE), min(row + n, (tile + 1) * TILE)
-            rows = slice(first - row, last - row)
-            cols = slice(first - tile * TILE, last - tile * TILE)
-            self.sm[tile, :, 0, cols] = part.scale[rows].T
-            self.sm[tile, :, 1, cols] = part.offset[rows].T
-            q = part.q[rows].T  # [K, columns]
-            if self.format.bits == 8:
-                self.q[tile, :, cols] = q
-                continue
-            for nibble, (lo, hi) in enumerate(((0, half), (half, TILE))):
-                a, b = max(cols.start, lo), min(cols.stop, hi)
-                if a < b:
-                    self.q[tile, :, a - lo : b - lo] |= q[:, a - cols.start : b - cols.start] << (
-                        4 * nibble
-                    )
+        part = part.as_format(fmt)
+        first, stop = row // TILE, -(-(row + n) // TILE)
+        front, back = row - first * TILE, stop * TILE - row - n
+        q, sm = _tiles(part, fmt, front, back)
+        if front == back == 0:  # whole tiles: this part's alone
+            self.q[first:stop] = q
+            self.sm[first:stop] = sm
+        else:  # tiles shared with other parts: their columns are still zero here
+            self.q[first:stop] |= q
+            self.sm.view(np.uint32)[first:stop] |= sm.view(np.uint32)
+
+
+def _tiles(
+    part: BlockQuantized, fmt: PackedFormat, front: int, back: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``part``'s rows after ``front`` zero rows and before ``back`` ones, laid out
+    as whole tiles of ``fmt`` (:class:`TileBuilder`'s layout): ``(q, sm)`` with
+    zero bytes in the padding columns."""
+    n, k = part.shape
+    rows = front + n + back
+    tiles = rows // TILE
+
+    def padded(a: np.ndarray) -> np.ndarray:
+        if front == back == 0:
+            return a
+        out = np.zeros((rows, *a.shape[1:]), a.dtype)
+        out[front : front + n] = a
+        return out
+
+    # [tiles, K, 64]: row k of a tile holds its 64 columns' integers.
+    # Rows of a tile combined into bytes first (contiguous), then one transposing
+    # copy into row k of the tile: its 64 columns' integers.
+    src = padded(part.q).reshape(tiles, TILE, k)
+    half = TILE // 2
+    q = np.empty(fmt.q_shape(tiles, k), np.uint8)
+    if fmt.bits == 8:
+        q[:] = src.transpose(0, 2, 1)
+    else:  # column j in the low nibble of byte j, column j + 32 in the high one
+        low = (src[:, :half] & 15) | ((src[:, half:] & 15) << 4)
+        q[..., :half] = low.transpose(0, 2, 1)
+    if fmt.bits == 6:  # the top two bits: column j in bits 2 (j // 16) of byte 32 + j % 16
+        top = src >> 4
+        top = top[:, 0:16] | top[:, 16:32] << 2 | top[:, 32:48] << 4 | top[:, 48:64] << 6
+        q[..., half:] = top.transpose(0, 2, 1)
+    sm = np.zeros(fmt.sm_shape(tiles, k), np.float32)
+    if part.factors is None:
+        blocks = k // fmt.block
+        sm[:, :, 0] = padded(part.scale).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
+        sm[:, :, 1] = padded(part.offset).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
+        return q, sm
+    d, m = part.factors
+    supers, per = k // SUPER, SUPER // fmt.block
+    sm[:, :, 0:2] = padded(d).reshape(tiles, TILE, supers, 2).transpose(0, 2, 3, 1)
+    mult = padded(m).reshape(tiles, TILE, supers, per, 2).transpose(0, 2, 3, 4, 1)
+    sm_bytes = sm.view(np.int8).reshape(tiles, supers, fmt.slots * 4 * TILE)
+    sm_bytes[:, :, 2 * 4 * TILE :] = mult.reshape(tiles, supers, per * 2 * TILE)
+    return q, sm
+
+
+def _check_factors(q: np.ndarray, factors: Factors, bits: int, block: int) -> None:
+    """Raises ValueError unless ``factors`` fit ``q`` ``[N, K]`` in blocks of ``block``."""
+    n, k = q.shape
+    d, m = factors
+    if k % SUPER or bits > 6:
+        raise ValueError(
+            f"factored scales need K a multiple of {SUPER} and at most 6 bits "
+            f"(K = {k}, {bits} bits)"
+        )
+    if d.dtype != np.float32 or d.shape != (n, k // SUPER, 2):
+        raise ValueError(
+            f"factors.d must be float32 [{n}, {k // SUPER}, 2], got {d.dtype} {d.shape}"
+        )
+    if m.dtype != np.int8 or m.shape != (n, k // block, 2):
+        raise ValueError(f"factors.m must be int8 [{n}, {k // block}, 2], got {m.dtype} {m.shape}")
 
 
 def _exact_products(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
@@ -328,15 +471,25 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
     mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc, mn
 
 
-def _super(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's per-32 scales ``d * sc`` and offsets ``-(dmin * m)`` (both exact
-    in float32: a float16 times a 6-bit integer), and the bytes after the scales."""
-    d, dmin = _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
-    sc, mn = _k_scales(raw[..., 4:16])
-    return d * sc, -(dmin * mn), raw[..., 16:]
+def _factored(
+    q: np.ndarray,
+    d: tuple[np.ndarray, np.ndarray],
+    m: tuple[np.ndarray, np.ndarray],
+    bits: int,
+    block: int,
+) -> BlockQuantized:
+    """A K-quant ``[N, K / 256, 256]`` as a factored copy: ``scale = d[0] * m[0]``,
+    ``offset = d[1] * m[1]`` (``d`` float32 ``[N, K / 256]`` each, ``m`` integers
+    ``[N, K / 256, 256 / block]`` each)."""
+    n = q.shape[0]
+    factors = np.stack([d[0].reshape(n, -1), d[1].reshape(n, -1)], axis=-1)
+    mult = np.stack([m[0].reshape(n, -1), m[1].reshape(n, -1)], axis=-1).astype(np.int8)
+    return BlockQuantized.factored(
+        np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8), factors, mult, bits, block
+    )
 
 
 def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> BlockQuantized:
@@ -387,7 +540,10 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
         q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return BlockQuantized(q.reshape(n, k), scale, -128 * scale, 8)
     if type_name in ("Q4_K", "Q5_K"):
-        scale, offset, rest = _super(raw)
+        # Per 32: d * sc and -(dmin * m), a float16 times 6-bit integers.
+        d, dmin = _f16(raw[..., 0:2])[..., 0], _f16(raw[..., 2:4])[..., 0]
+        sc, mn = _k_scales(raw[..., 4:16])
+        rest = raw[..., 16:]
         if type_name == "Q4_K":
             # 4 groups of 32 bytes: 32 weights in the low nibbles, the next 32 in the high.
             qs = rest.reshape(n, -1, 4, 1, 32)
@@ -398,28 +554,16 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
             qs = rest[..., 32:].reshape(n, -1, 4, 1, 32)
             low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(n, -1, 8, 32)
             q = low | (high.transpose(0, 1, 3, 2) << 4)  # weight 32 j + l: bit j of byte l
-            bits = 8
-        return BlockQuantized(
-            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
-            scale.reshape(n, -1),
-            offset.reshape(n, -1),
-            bits,
-        )
+            bits = 6
+        return _factored(q, (d, -dmin), (sc, mn), bits, 32)
     if type_name == "Q2_K":
         # 16 bytes of scales (low nibble sc, high m), 64 of 2-bit q, float16 d, dmin.
         # Weight 128 h + 32 s + l: bits 2 s of byte 32 h + l.
         sc = raw[..., :16]
         qs = raw[..., 16:80].reshape(n, -1, 2, 1, 32)
         q = (qs >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-        scale = _f16(raw[..., 80:82]) * (sc & 15).astype(np.float32)
-        offset = -(_f16(raw[..., 82:84]) * (sc >> 4).astype(np.float32))
-        return BlockQuantized(
-            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
-            scale.reshape(n, -1),
-            offset.reshape(n, -1),
-            8,
-            16,
-        )
+        d, dmin = _f16(raw[..., 80:82])[..., 0], _f16(raw[..., 82:84])[..., 0]
+        return _factored(q, (d, -dmin), (sc & 15, sc >> 4), 6, 16)
     if type_name == "Q3_K":
         # 32 bytes of high bits (weight 32 j + l: bit j of byte l), 64 of 2-bit lows
         # (as Q2_K's), 12 bytes of sixteen 6-bit scales, a float16 d; q - 4.
@@ -433,25 +577,15 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
         lows = (packed[..., :8, None] >> np.array([0, 4], np.uint8)).swapaxes(-1, -2)
         highs = (packed[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)).swapaxes(-1, -2)
         sc = (lows.reshape(n, -1, 16) & 15) | ((highs.reshape(n, -1, 16) & 3) << 4)
-        scale = _f16(raw[..., 108:110]) * (sc.astype(np.float32) - 32)
-        return BlockQuantized(
-            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
-            scale.reshape(n, -1),
-            (-4 * scale).reshape(n, -1),
-            8,
-            16,
-        )
+        sc = sc.astype(np.int8) - 32
+        d = _f16(raw[..., 108:110])[..., 0]
+        return _factored(q, (d, -4 * d), (sc, sc), 6, 16)
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, a float16 d.
     ql = raw[..., :128].reshape(n, -1, 2, 1, 64)
     low = np.concatenate([ql & 15, ql >> 4], axis=-2).reshape(n, -1, 2, 4, 32)
     qh = raw[..., 128:192].reshape(n, -1, 2, 1, 32)
     high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
     q = low | (high << 4)
-    scale = _f16(raw[..., 208:210]) * raw[..., 192:208].view(np.int8).astype(np.float32)
-    return BlockQuantized(
-        np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8),
-        scale.reshape(n, -1),
-        (-32 * scale).reshape(n, -1),
-        8,
-        16,
-    )
+    sc = raw[..., 192:208].view(np.int8)
+    d = _f16(raw[..., 208:210])[..., 0]
+    return _factored(q, (d, -32 * d), (sc, sc), 6, 16)

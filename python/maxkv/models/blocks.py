@@ -23,6 +23,19 @@ from .config import DecoderConfig
 WeightFn = Callable[[str], TensorValue]
 
 
+def embedding_table(config: DecoderConfig, quant_formats: Mapping[str, PackedFormat]) -> str:
+    """The graph weight the embedding gathers its rows from: ``lm_head`` where the
+    head is tied and held as a quantized copy (one table for both: no
+    ``embed_tokens`` weight), else ``embed_tokens`` (float32, or its own copy)."""
+    if (
+        config.tie_word_embeddings
+        and "lm_head" in quant_formats
+        and "embed_tokens" not in quant_formats
+    ):
+        return "lm_head"
+    return "embed_tokens"
+
+
 class Blocks:
     """The layer's blocks for one configuration, weight source and matmul.
 
@@ -75,31 +88,21 @@ class Blocks:
     def embed(self, tokens: TensorValue) -> TensorValue:
         """int64 ``[T]`` -> ``[T, H]``: the embedding rows, scaled by ``embed_scale``.
 
-        Held as the file stores it (``embed_tokens`` in ``quant_formats``), each
-        row's blocks are gathered and dequantized, ``q * scale + offset``
-        (:meth:`~maxkv.cpu.quantized.BlockQuantized.pack_rows`; the product is
-        exact, so the values are the dequantized table's)."""
-        fmt = self.quant_formats.get("embed_tokens")
-        if fmt is None:
-            h = ops.gather(self.weight("embed_tokens"), tokens, axis=0)
+        Held as the file stores it (the table of :func:`embedding_table` in
+        ``quant_formats``: its own, or a tied head's), each row is gathered from
+        the quantized tiles by :func:`maxkv.ops.gather_quantized` (the
+        dequantized table's values)."""
+        c = self.config
+        table = embedding_table(c, self.quant_formats)
+        if table in self.quant_formats:
+            copy = (self.weight(f"{table}.q"), self.weight(f"{table}.sm"))
+            h = kvops.gather_quantized(tokens, copy, c.vocab_size, c.hidden_size)
         else:
-            h = self._gather_blocks(tokens, fmt)
+            h = ops.gather(self.weight("embed_tokens"), tokens, axis=0)
         scale = self.config.embed_scale
         if scale is not None:
             h = h * ops.constant(scale, h.dtype, device=h.device)
         return h
-
-    def _gather_blocks(self, tokens: TensorValue, fmt: PackedFormat) -> TensorValue:
-        """float32 ``[T, H]``: rows ``tokens`` of the embedding held as blocks."""
-        h, t = self.config.hidden_size, tokens.shape[0]
-        q = ops.cast(ops.gather(self.weight("embed_tokens.q"), tokens, axis=0), DType.float32)
-        if fmt.bits == 4:  # byte j: weight j (low nibble), weight j + H / 2 (high)
-            high = ops.floor(q * ops.constant(1 / 16, DType.float32, device=q.device))
-            low = q - high * ops.constant(16, DType.float32, device=q.device)
-            q = ops.concat([low, high], axis=1)
-        sm = ops.gather(self.weight("embed_tokens.sm"), tokens, axis=0)  # [T, H / block, 2]
-        blocks = ops.reshape(q, [t, h // fmt.block, fmt.block])
-        return ops.reshape(blocks * sm[:, :, 0:1] + sm[:, :, 1:2], [t, h])
 
     def qkv(self, x: TensorValue, layer: int) -> TensorValue:
         """Normed input ``[T, H]`` -> ``[T, (heads + 2 kv_heads) * head_dim]``: the Q, K, V

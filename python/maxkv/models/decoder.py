@@ -31,13 +31,13 @@ from .. import ops as kvops
 from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
-from ..cpu.arrays import aligned, aligned_zeros
+from ..cpu.arrays import aligned
 from ..cpu.quantized import BlockQuantized, PackedFormat, TileBuilder, stacked_format
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
 from ..kernels import kernels_path, load_graph
-from .blocks import Blocks
+from .blocks import Blocks, embedding_table
 from .config import DecoderConfig, check_weights
 from .held import FileBlocks, HeldWeights, check_held
 from .memory import check_fits
@@ -163,7 +163,10 @@ def graph_weights(
     weights (Hugging Face names); a matrix whose stacked copy holds exactly
     its float32 values (checked weight by weight) is held as that copy alone
     the same way.  Other matrices of held sources (stacked with a dense one,
-    or the greedy head's) are dequantized.
+    or the greedy head's) are dequantized.  A held embedding is laid out as
+    tiles too (:func:`maxkv.ops.gather_quantized` reads its rows); where the
+    head is tied and held as a copy, the embedding reads the head's copy and
+    has no weight of its own (:func:`~maxkv.models.blocks.embedding_table`).
 
     ``greedy_head`` (CPU only): also ``lm_head.greedy_q`` and
     ``lm_head.greedy_info``, :func:`maxkv.ops.pack_greedy_head` of the head,
@@ -190,11 +193,6 @@ def graph_weights(
     out: dict[str, np.ndarray] = config.rope_tables()
     quant_formats: dict[str, PackedFormat] = {}
     from_blocks = held_formats(config, held, greedy_head=greedy_head) if packed and held else {}
-    for name, source in vector_sources(config).items():
-        if held and name in from_blocks:  # gathered from its blocks
-            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_rows(held, source)
-        else:
-            out[name] = w[source]
     if config.qkv_bias:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
@@ -214,6 +212,13 @@ def graph_weights(
                 quant_formats[name] = copy.format
                 continue
         out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
+    # A tied head held as a copy alone is the embedding's table too.
+    shared = embedding_table(config, quant_formats) == "lm_head"
+    for name, source in vector_sources(config).items():
+        if held and name in from_blocks:  # gathered from its own tiles
+            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_tiles(held, [source])
+        elif not (shared and name == "embed_tokens"):
+            out[name] = w[source]
     if greedy_head:
         if not packed:
             raise ValueError("the greedy head's int8 copy is read on the CPU only")
@@ -239,16 +244,17 @@ def held_formats(
     config: DecoderConfig, blocks: FileBlocks, *, greedy_head: bool = False
 ) -> dict[str, PackedFormat]:
     """The graph weights a packed graph lays out from ``blocks`` (the matrices a
-    file holds as blocks) and their formats: ``embed_tokens`` (read by rows),
-    and every matrix of :func:`matrix_sources` all of whose parts are held
-    (but the head of a ``greedy_head`` graph, read in float32)."""
+    file holds as blocks) and their formats: every matrix of
+    :func:`matrix_sources` all of whose parts are held (but the head of a
+    ``greedy_head`` graph, read in float32), and ``embed_tokens`` unless a tied
+    head held so holds it already (:func:`~maxkv.models.blocks.embedding_table`)."""
     formats: dict[str, PackedFormat] = {}
-    embed = vector_sources(config)["embed_tokens"]
-    if embed in blocks:
-        formats["embed_tokens"] = blocks.format(embed)
     for name, parts in matrix_sources(config, packed=True).items():
         if not (greedy_head and name == "lm_head") and all(p in blocks for p in parts):
             formats[name] = stacked_format([blocks.format(part) for part in parts])
+    embed = vector_sources(config)["embed_tokens"]
+    if embed in blocks and embedding_table(config, formats) == "embed_tokens":
+        formats["embed_tokens"] = blocks.format(embed)
     return formats
 
 
@@ -295,20 +301,6 @@ def _held_tiles(blocks: FileBlocks, parts: Sequence[str]) -> tuple[Any, Any, Pac
     return builder.q, builder.sm, fmt
 
 
-def _held_rows(blocks: FileBlocks, name: str) -> tuple[Any, Any, PackedFormat]:
-    """``(q, sm, format)``: held matrix ``name`` laid out to be read by rows
-    (:meth:`~maxkv.cpu.quantized.BlockQuantized.pack_rows`), :data:`PACK_ROWS` at a time."""
-    fmt = blocks.format(name)
-    n, k = blocks.shape(name)
-    q = aligned_zeros(fmt.row_q_shape(n, k), np.uint8)
-    sm = aligned_zeros(fmt.row_sm_shape(n, k), np.float32)
-    for start in range(0, n, PACK_ROWS):
-        stop = min(n, start + PACK_ROWS)
-        q[start:stop], sm[start:stop] = blocks.read(name, start, stop).pack_rows()
-    blocks.release(name)
-    return q, sm, fmt
-
-
 def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     """The dtype of graph weight ``name`` in a ``dtype`` model: uint8 for the
     quantized copies, float32 for the RoPE table and the greedy head's scales."""
@@ -323,17 +315,13 @@ def quantized_formats(
     registry: Mapping[str, Any], config: DecoderConfig
 ) -> dict[str, PackedFormat]:
     """Matrix name -> layout of its quantized copy in a :func:`graph_weights` registry
-    of ``config``'s weights (``embed_tokens``: the table read by rows)."""
+    of ``config``'s weights (``embed_tokens`` too where it has its own)."""
     formats = {}
     for name, q in registry.items():
         if not name.endswith(".q"):
             continue
         matrix = name[: -len(".q")]
-        sm = registry[matrix + ".sm"]
-        if matrix == "embed_tokens":
-            formats[matrix] = PackedFormat.of_rows(q.shape, sm.shape, config.hidden_size)
-        else:
-            formats[matrix] = PackedFormat.of(q.shape, sm.shape)
+        formats[matrix] = PackedFormat.of(q.shape, registry[matrix + ".sm"].shape)
     return formats
 
 
@@ -388,11 +376,14 @@ def graph_weight_shapes(
                 f"layers.{i}.pre_ff_norm": (c.hidden_size,),
                 f"layers.{i}.post_ff_norm": (c.hidden_size,),
             }
-    for name, fmt in (quant_formats or {}).items():  # held as the copy alone
-        if name == "embed_tokens":  # read by rows
+    formats = quant_formats or {}
+    if embedding_table(c, formats) == "lm_head":  # gathered from the tied head's copy
+        del shapes["embed_tokens"]
+    for name, fmt in formats.items():  # held as the copy alone
+        if name == "embed_tokens":  # gathered from its own tiles
             n, k = shapes.pop(name)
-            shapes[f"{name}.q"] = fmt.row_q_shape(n, k)
-            shapes[f"{name}.sm"] = fmt.row_sm_shape(n, k)
+            shapes[f"{name}.q"] = fmt.q_shape(-(-n // kvops.PACKED_TILE), k)
+            shapes[f"{name}.sm"] = fmt.sm_shape(-(-n // kvops.PACKED_TILE), k)
             continue
         tiles, _, k, _ = shapes.pop(name)
         shapes[f"{name}.q"] = fmt.q_shape(tiles, k)

@@ -517,9 +517,9 @@ class MaxkvMemoryPlanner(PagedMemoryPlanner):
     """MAX's memory plan with the bytes maxkv's graph holds for the weights.
 
     MAX's planner counts the weight files' size; maxkv holds a GGUF's blocks
-    packed for its kernels (more bytes than the file: float32 scales, a byte
-    per 5- or 6-bit integer) and widens float16 and bfloat16 checkpoints to
-    float32, so the KV cache MAX plans beside them is sized from
+    packed for its kernels (a few percent more bytes than the file for the
+    K-quants, more for Q5_0 and Q8_0's float32 scales) and widens float16 and
+    bfloat16 checkpoints to float32, so the KV cache MAX plans beside them is sized from
     :func:`~maxkv.models.decoder.graph_weight_bytes` instead (read from the
     GGUF's metadata or ``config.json``; no weight is read).
     """
