@@ -32,7 +32,8 @@ run one after the other, never at once.  Workloads:
   equal those of ``maxkv`` (the same server prefilling every token).
 
 Greedy (temperature 0) everywhere.  Per side and workload: output tokens/s
-(all output tokens / wall time of the workload), time to first token and
+(all output tokens / wall time of the workload), the server's peak resident
+memory so far (``VmHWM`` summed over its processes), time to first token and
 inter-token latency (gaps between streamed chunks) at p50/p90/p99, the
 prefix-cache hit rate that the server logged for the workload's requests
 (MAX's scheduler logs ``Cache hit rate`` per batch for both sides; the
@@ -338,8 +339,10 @@ def server(
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(2)
+        SERVER_SESSIONS[url] = process.pid
         yield url
     finally:
+        SERVER_SESSIONS.pop(url, None)
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
             try:
@@ -348,6 +351,33 @@ def server(
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
         log.close()
+
+
+#: Server URL -> the session id of its processes (:func:`server` starts each in its own).
+SERVER_SESSIONS: dict[str, int] = {}
+
+
+def peak_rss_mib(url: str) -> float | None:
+    """The peak resident memory of a running :func:`server`: the sum of ``VmHWM``
+    over its session's processes (server and workers; each one's own peak, so an
+    upper bound where they peak at different times), or None off Linux."""
+    session = SERVER_SESSIONS.get(url)
+    if session is None or not Path("/proc/self/status").exists():
+        return None
+    total_kib = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != session:  # the session id, after state, ppid, pgrp
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total_kib += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return total_kib / 1024
 
 
 # ------------------------------------------------------------------ client
@@ -960,13 +990,15 @@ def main(argv: list[str] | None = None) -> int:
                         "workload": workload,
                         "concurrency": concurrency,
                         "startup_s": startup_s,
+                        "peak_rss_mib": peak_rss_mib(url),
                         **summarize(requests, elapsed, counters),
                         **(rag_quality(requests) if workload == "rag" else {}),
                     }
                     runs.append(run)
                     print(
                         f"[{side}] {workload} C={concurrency}: {run['tokens_per_s']:.1f} tok/s, "
-                        f"TTFT p50 {run['ttft_s']['p50']}, failed {run['failed']}",
+                        f"TTFT p50 {run['ttft_s']['p50']}, failed {run['failed']}, "
+                        f"peak RSS {run['peak_rss_mib']} MiB",
                         file=sys.stderr,
                         flush=True,
                     )

@@ -540,6 +540,12 @@ def _run[
         _linear[FLOAT32, block_cols, ADD](xp, wp, qp, smp, op, M, K, N, tiles, residual)
     elif M > QUANT_MAX_ROWS:
         _dispatch_quantized[block_cols, ADD, True](xp, qp, q_kind, smp, op, M, K, N, tiles, residual)
+    elif M == 1 and block_cols != TILE:
+        # One row over AVX2: whole 64-column tile rows (8 accumulators), not 16
+        # columns (2).  Each output is a chain of K dependent fmas either way;
+        # 2 chains leave the FMA units waiting on their latency, 8 keep them busy.
+        # The same fmas in the same order: the same bits.
+        _dispatch_quantized[TILE, ADD, False](xp, qp, q_kind, smp, op, M, K, N, tiles, residual)
     else:
         _dispatch_quantized[block_cols, ADD, False](xp, qp, q_kind, smp, op, M, K, N, tiles, residual)
 
