@@ -132,7 +132,7 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
     for name, copy in quantized.items():
         assert copy.exactly(loaded[name]), name
     registry = graph_weights(loaded_config, loaded, packed=True, quantized=quantized)
-    formats = quantized_formats(registry, loaded_config)
+    formats = quantized_formats(registry)
     assert set(formats) == set(matrix_sources(loaded_config, packed=True)) | {"embed_tokens"}
     assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0
     assert formats["layers.0.wo"] == PackedFormat(4, 32, True)  # Q4_K

@@ -88,8 +88,8 @@ def sm_slots[QB: Int, FACT: Bool]() -> Int:
 
 
 @always_inline
-def _scales[C: Int, C0: Int, QB: Int, FACT: Bool](
-    sm: Ptr, kb: Int
+def _scales[C: Int, QB: Int, FACT: Bool](
+    sm: Ptr, kb: Int, C0: Int
 ) -> StaticTuple[SIMD[DType.float32, C], 2]:
     """Block `kb`'s scale and offset for columns `C0 .. C0 + C` of a tile.
 
@@ -232,7 +232,7 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
             _fma_k[R, C](rows, k, w.unsafe_load[width=C](k * C), acc)
     else:
         for kb in range(K // QB):
-            var so = _scales[C, C0, QB, FACT](sm, kb)
+            var so = _scales[C, QB, FACT](sm, kb, C0)
             for kk in range(QB):
                 var k = kb * QB + kk
                 _fma_k[R, C](rows, k, _dequant[BITS, C, C0](q, k, so[0], so[1]), acc)
@@ -329,7 +329,7 @@ def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bo
     while k0 < K:
         var kc = min(PANEL_K, K - k0)
         for kb in range(k0 // QB, (k0 + kc) // QB):
-            var so = _scales[C, C0, QB, FACT](sm, kb)
+            var so = _scales[C, QB, FACT](sm, kb, C0)
             for kk in range(QB):
                 var k = kb * QB + kk
                 panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, so[0], so[1]))
@@ -807,21 +807,8 @@ def _column_value[BITS: Int, QB: Int, FACT: Bool](q: U8Ptr, sm: Ptr, k: Int, c: 
         comptime if BITS == 6:
             var top = q[unsafe_offset=k * ROW + TILE // 2 + c % 16]
             v = v | (((top >> UInt8(2 * (c // 16))) & 3) << 4)
-    var kb = k // QB
-    var scale: Float32
-    var offset: Float32
-    comptime if FACT:
-        comptime PER = SUPER_K // QB
-        var base = sm.unsafe_offset((kb // PER) * sm_slots[QB, FACT]() * TILE)
-        var mult = base.unsafe_offset(2 * TILE).unsafe_bitcast[Int8]().unsafe_offset(
-            (kb % PER) * 2 * TILE + c
-        )
-        scale = base[unsafe_offset=c] * Float32(mult[unsafe_offset=0])
-        offset = base[unsafe_offset=TILE + c] * Float32(mult[unsafe_offset=TILE])
-    else:
-        scale = sm[unsafe_offset=kb * 2 * TILE + c]
-        offset = sm[unsafe_offset=kb * 2 * TILE + TILE + c]
-    return Float32(v).fma(scale, offset)
+    var so = _scales[1, QB, FACT](sm, k // QB, c)
+    return Float32(v).fma(so[0][0], so[1][0])
 
 
 def _gather[BITS: Int, QB: Int, FACT: Bool](

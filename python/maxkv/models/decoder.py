@@ -311,11 +311,9 @@ def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
     return dtype
 
 
-def quantized_formats(
-    registry: Mapping[str, Any], config: DecoderConfig
-) -> dict[str, PackedFormat]:
+def quantized_formats(registry: Mapping[str, Any]) -> dict[str, PackedFormat]:
     """Matrix name -> layout of its quantized copy in a :func:`graph_weights` registry
-    of ``config``'s weights (``embed_tokens`` too where it has its own)."""
+    (``embed_tokens`` too where it has its own)."""
     formats = {}
     for name, q in registry.items():
         if not name.endswith(".q"):
@@ -682,7 +680,7 @@ class DecoderModel:
             assert prepared is not None
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
         #: Matrix name -> layout of the quantized copy it is held as (no float32 copy).
-        self.quant_formats = quantized_formats(registry, config)
+        self.quant_formats = quantized_formats(registry)
         graph = build_decoder_graph(
             config,
             params,
