@@ -131,6 +131,71 @@ def test_truncated_corrupt_and_missing_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_gguf_header_reads_what_the_gguf_package_reads_and_checks_every_length(
+    tmp_path: Path,
+) -> None:
+    """maxkv's header reader gives the ``gguf`` package's values (every metadata key,
+    strings, numbers and arrays of both; every tensor's shape, type, offset and
+    bytes), and a header cut at any byte, or with a count or offset past the file,
+    is refused by name before anything is read from past its end."""
+    import gguf
+
+    from maxkv.models.gguf_header import read_header
+
+    path = tmp_path / "tiny.gguf"
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(["<s>", "a", "é", "", "x" * 300])
+    writer.add_token_scores([0.0, -1.5, 2.25, 3.0, -0.0])
+    writer.add_token_types([3, 1, 1, 6, 1])
+    writer.add_bool("test.flag", True)
+    writer.add_int64("test.big", -(2**40))
+    writer.add_float64("test.pi", 3.14159)
+    writer.add_tensor("norm.weight", rng.standard_normal(96).astype(np.float32))
+    matrix = rng.standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor(
+        "blk.0.q8",
+        gguf.quants.quantize(matrix, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
+    writer.add_tensor("blk.0.f16", matrix.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header, reference = read_header(path), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert {k: f.contents() for k, f in header.fields.items()} == expected
+    assert expected["tokenizer.ggml.tokens"][2] == "é" and len(header.fields["test.flag"]) == 1
+    assert len(header.tensors) == len(reference.tensors) > 0
+    for ours, theirs in zip(header.tensors, reference.tensors, strict=True):
+        assert (ours.name, ours.shape, ours.tensor_type, ours.data_offset, ours.n_bytes) == (
+            theirs.name,
+            tuple(int(d) for d in theirs.shape),
+            theirs.tensor_type,
+            theirs.data_offset,
+            theirs.n_bytes,
+        )
+        assert ours.data.tobytes() == np.asarray(theirs.data).tobytes()
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    table_end = header.tensors[0].data_offset
+    for size in sorted({0, 3, 4, 8, 16, 23, 24, 30, *range(24, table_end, 37)}):
+        cut.write_bytes(data[:size])
+        with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {cut}"):
+            read_header(cut)
+    # A tensor count far past the file, a string length past it, a tensor's data past it.
+    for forged in (
+        data[:8] + (2**40).to_bytes(8, "little") + data[16:],
+        data[:24] + (2**62).to_bytes(8, "little") + data[32:],
+        data[: len(data) - 1],
+    ):
+        cut.write_bytes(forged)
+        with pytest.raises(ModelLoadError, match="truncated"):
+            read_header(cut)
+
+
+@pytest.mark.unit
 def test_directory_holding_one_gguf(tmp_path: Path) -> None:
     weights = hf_weights(TINY, seed=5)
     write_llama_gguf(tmp_path / "model.gguf", weights)

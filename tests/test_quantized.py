@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,10 +134,13 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
         assert copy.exactly(loaded[name]), name
     registry = graph_weights(loaded_config, loaded, packed=True, quantized=quantized)
     formats = quantized_formats(registry)
-    assert set(formats) == set(matrix_sources(loaded_config, packed=True)) | {"embed_tokens"}
-    assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0
+    pieces = {f"layers.{i}.gate_up.1" for i in range(loaded_config.num_hidden_layers)}
+    matrices = set(matrix_sources(loaded_config, packed=True))
+    assert set(formats) == matrices | {"embed_tokens"} | pieces
+    assert formats["layers.0.wqkv"] == PackedFormat(8, 32)  # Q5_0 + Q5_0 + Q8_0: one piece
     assert formats["layers.0.wo"] == PackedFormat(4, 32, True)  # Q4_K
-    assert formats["layers.0.gate_up"] == PackedFormat(8, 16)  # Q5_0 + Q5_K (blocks of 16)
+    assert formats["layers.0.gate_up"] == PackedFormat(8, 32)  # Q5_0, then a piece of
+    assert formats["layers.0.gate_up.1"] == PackedFormat(6, 16, True)  # Q5_K, 6 bits
     assert formats["layers.0.down"] == PackedFormat(6, 16, True)  # Q6_K
     # Held as the file stores them: no matrix has a float32 copy beside its blocks.
     assert not set(formats) & set(registry), "a float32 copy beside the blocks"
@@ -198,6 +202,69 @@ def test_a_gguf_matrix_is_never_held_as_float32(
     assert not {"embed_tokens", "embed_tokens.q", "lm_head"} & set(registry)
     held_bytes = sum(a.nbytes for a in registry.values())
     assert graph_weight_bytes(tied_config, tied_weights, packed=True) == held_bytes
+
+
+@pytest.mark.compile
+def test_a_stack_of_two_formats_is_held_in_pieces_and_gives_transformers_logits(
+    tmp_path: Path, session: InferenceSession
+) -> None:
+    """llama.cpp's Q4_K_M mix stores a Q6_K V beside Q4_K Q and K: the stacked
+    ``wqkv`` is held as two pieces in their own formats (4-bit Q and K rows, not
+    widened to V's 6 bits), read by two matmuls; prompt steps (panels) and one-row
+    steps give the logits transformers computes from the same file."""
+    torch = pytest.importorskip("torch")
+    from max.driver import CPU
+
+    from maxkv import ContinuousBatchingKVCacheManager
+    from maxkv.models.decoder import DecoderModel, cache_params
+    from maxkv.models.hf import hf_from_pretrained
+
+    config = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    kinds = {"attn_v": "Q6_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+    overrides = {f"blk.{i}.{t}.weight": kind for t, kind in kinds.items() for i in range(2)}
+    overrides |= {"output.weight": "Q6_K"}
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_llama_gguf(
+        path, hf_weights(config, seed=4), config, matrix_type="Q4_K", overrides=overrides
+    )
+    loaded_config, loaded = load_model(path)
+    registry = graph_weights(loaded_config, loaded, packed=True)
+    formats = quantized_formats(registry)
+    q_rows = loaded_config.num_attention_heads * loaded_config.head_dim
+    kv_rows = loaded_config.num_key_value_heads * loaded_config.head_dim
+    assert formats["layers.0.wqkv"] == PackedFormat(4, 32, True)  # Q and K, 4 bits
+    assert formats["layers.0.wqkv.2"] == PackedFormat(6, 16, True)  # V, 6 bits
+    assert registry["layers.0.wqkv.q"].shape[0] == -(-(q_rows + kv_rows) // 64)
+    assert registry["layers.0.wqkv.2.q"].shape[0] == -(-kv_rows // 64)
+    assert formats["layers.0.gate_up"] == PackedFormat(4, 32, True)  # gate
+    assert formats["layers.0.gate_up.1"] == PackedFormat(8, 32)  # up, Q8_0
+    assert "layers.0.wqkv.1" not in formats and "layers.0.down.1" not in formats
+    assert graph_weight_bytes(loaded_config, loaded, packed=True) == sum(
+        a.nbytes for a in registry.values()
+    )
+
+    hf: Any = hf_from_pretrained(path)
+    manager = ContinuousBatchingKVCacheManager(
+        cache_params(loaded_config), 1, 64, loaded_config.num_hidden_layers, [CPU()], session
+    )
+    model = DecoderModel(loaded_config, loaded, manager, session, output="logits")
+    assert set(model.quant_formats) == set(formats)
+    rng = np.random.default_rng(6)
+    (seq,) = manager.claim(1)
+    history: list[int] = []
+    for length in (20, 1, 1):  # a prompt (more rows than the one-row path), then decode
+        chunk = rng.integers(3, loaded_config.vocab_size, length).tolist()
+        (inputs,) = manager.fetch([seq], active_lengths=[length])
+        offsets = np.array([0, length], np.uint32)
+        tokens = np.asarray(chunk, np.int64)
+        got = model.execute(Buffer.from_numpy(tokens), Buffer.from_numpy(offsets), inputs)
+        manager.step({seq: length})
+        history += chunk
+        with torch.no_grad():
+            want = hf(torch.tensor([history])).logits[0, -1].float().numpy()
+        scale = float(np.abs(want).max())
+        np.testing.assert_allclose(got.to_numpy()[0], want, rtol=0, atol=2e-4 * max(1.0, scale))
+    manager.release(seq)
 
 
 @pytest.mark.unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -16,3 +17,11 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has
+    one, else every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

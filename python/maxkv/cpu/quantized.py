@@ -44,7 +44,7 @@ Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -370,21 +370,24 @@ class TileBuilder:
         part = part.as_format(fmt)
         first, stop = row // TILE, -(-(row + n) // TILE)
         front, back = row - first * TILE, stop * TILE - row - n
-        q, sm = _tiles(part, fmt, front, back)
-        if front == back == 0:  # whole tiles: this part's alone
-            self.q[first:stop] = q
-            self.sm[first:stop] = sm
-        else:  # tiles shared with other parts: their columns are still zero here
-            self.q[first:stop] |= q
-            self.sm.view(np.uint32)[first:stop] |= sm.view(np.uint32)
+        if front == back == 0:  # whole tiles, this part's alone: laid out in place
+            _tiles(part, fmt, front, back, self.q[first:stop], self.sm[first:stop])
+            return
+        # Tiles shared with other parts: their columns are still zero here.
+        q = np.empty(fmt.q_shape(stop - first, k), np.uint8)
+        sm = np.empty(fmt.sm_shape(stop - first, k), np.float32)
+        _tiles(part, fmt, front, back, q, sm)
+        self.q[first:stop] |= q
+        self.sm.view(np.uint32)[first:stop] |= sm.view(np.uint32)
 
 
 def _tiles(
-    part: BlockQuantized, fmt: PackedFormat, front: int, back: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``part``'s rows after ``front`` zero rows and before ``back`` ones, laid out
-    as whole tiles of ``fmt`` (:class:`TileBuilder`'s layout): ``(q, sm)`` with
-    zero bytes in the padding columns."""
+    part: BlockQuantized, fmt: PackedFormat, front: int, back: int, q: np.ndarray, sm: np.ndarray
+) -> None:
+    """Writes ``part``'s rows after ``front`` zero rows and before ``back`` ones as
+    whole tiles of ``fmt`` (:class:`TileBuilder`'s layout) into ``q`` and ``sm``
+    (of ``fmt``'s shapes for those tiles; every byte written, zero in the padding
+    columns)."""
     n, k = part.shape
     rows = front + n + back
     tiles = rows // TILE
@@ -399,31 +402,47 @@ def _tiles(
     # [tiles, K, 64]: row k of a tile holds its 64 columns' integers.
     # Rows of a tile combined into bytes first (contiguous), then one transposing
     # copy into row k of the tile: its 64 columns' integers.
-    src = padded(part.q).reshape(tiles, TILE, k)
+    src = np.ascontiguousarray(padded(part.q)).reshape(tiles, TILE, k)
     half = TILE // 2
-    q = np.empty(fmt.q_shape(tiles, k), np.uint8)
+    _tile_scales(part, fmt, tiles, padded, sm)
     if fmt.bits == 8:
         q[:] = src.transpose(0, 2, 1)
-    else:  # column j in the low nibble of byte j, column j + 32 in the high one
-        low = (src[:, :half] & 15) | ((src[:, half:] & 15) << 4)
-        q[..., :half] = low.transpose(0, 2, 1)
-    if fmt.bits == 6:  # the top two bits: column j in bits 2 (j // 16) of byte 32 + j % 16
-        top = src >> 4
+        return
+    # Bytes combined eight at a time (uint64 lanes; no byte's bits reach another's).
+    lanes = src.view(np.uint64)  # [tiles, 64, K / 8]
+    # Column j in the low nibble of byte j, column j + 32 in the high one.
+    if fmt.bits == 4:
+        low = lanes[:, :half] | (lanes[:, half:] << 4)
+    else:
+        low = (lanes[:, :half] & _byte_mask(15)) | ((lanes[:, half:] & _byte_mask(15)) << 4)
+        # The top two bits: column j in bits 2 (j // 16) of byte 32 + j % 16.
+        top = (lanes >> np.uint64(4)) & _byte_mask(3)
         top = top[:, 0:16] | top[:, 16:32] << 2 | top[:, 32:48] << 4 | top[:, 48:64] << 6
-        q[..., half:] = top.transpose(0, 2, 1)
-    sm = np.zeros(fmt.sm_shape(tiles, k), np.float32)
+        q[..., half:] = top.view(np.uint8).transpose(0, 2, 1)
+    q[..., :half] = low.view(np.uint8).transpose(0, 2, 1)
+
+
+def _tile_scales(
+    part: BlockQuantized,
+    fmt: PackedFormat,
+    tiles: int,
+    padded: Callable[[np.ndarray], np.ndarray],
+    sm: np.ndarray,
+) -> None:
+    """The ``sm`` of :func:`_tiles`: ``part``'s scales and offsets (or factors and
+    multipliers) in whole tiles, rows padded by ``padded``, written into ``sm``."""
+    k = part.shape[1]
     if part.factors is None:
         blocks = k // fmt.block
         sm[:, :, 0] = padded(part.scale).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
         sm[:, :, 1] = padded(part.offset).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
-        return q, sm
+        return
     d, m = part.factors
     supers, per = k // SUPER, SUPER // fmt.block
     sm[:, :, 0:2] = padded(d).reshape(tiles, TILE, supers, 2).transpose(0, 2, 3, 1)
     mult = padded(m).reshape(tiles, TILE, supers, per, 2).transpose(0, 2, 3, 4, 1)
     sm_bytes = sm.view(np.int8).reshape(tiles, supers, fmt.slots * 4 * TILE)
     sm_bytes[:, :, 2 * 4 * TILE :] = mult.reshape(tiles, supers, per * 2 * TILE)
-    return q, sm
 
 
 def _check_factors(q: np.ndarray, factors: Factors, bits: int, block: int) -> None:
@@ -464,6 +483,25 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _bit_plane(bits: np.ndarray, count: int) -> np.ndarray:
     """Bit ``i`` of a little-endian bit string (bytes ``[..., count / 8]``) as ``[..., count]``."""
     return np.unpackbits(bits, axis=-1, count=count, bitorder="little")
+
+
+def _lanes(raw: np.ndarray, start: int, stop: int, groups: int) -> np.ndarray:
+    """Bytes ``start:stop`` of each block (``raw`` ``[N, B, size]``), contiguous, as
+    uint64 ``[N * B, groups, (stop - start) / 8 / groups]``: eight bytes a lane, so
+    the byte-wise masks and shifts below touch eight integers an operation."""
+    flat = np.ascontiguousarray(raw.reshape(-1, raw.shape[-1])[:, start:stop])
+    return flat.view(np.uint64).reshape(flat.shape[0], groups, -1)
+
+
+def _byte_mask(value: int) -> np.uint64:
+    """``value`` in every byte of a uint64."""
+    mask: np.uint64 = np.uint64(value * 0x0101010101010101)
+    return mask
+
+
+def _shifts(*values: int) -> np.ndarray:
+    """Shift counts as uint64 (to broadcast against lanes)."""
+    return np.array(values, np.uint64)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -537,25 +575,23 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
         return BlockQuantized(np.ascontiguousarray(q.reshape(n, k)), scale, offset, 4)
     if type_name == "Q8_0":
         scale = _f16(raw[..., 0:2])[..., 0]
-        q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        q = raw[..., 2:] ^ np.uint8(128)  # int8 + 128, as uint8
         return BlockQuantized(q.reshape(n, k), scale, -128 * scale, 8)
     if type_name in ("Q4_K", "Q5_K"):
         # Per 32: d * sc and -(dmin * m), a float16 times 6-bit integers.
         d, dmin = _f16(raw[..., 0:2])[..., 0], _f16(raw[..., 2:4])[..., 0]
         sc, mn = _k_scales(raw[..., 4:16])
-        rest = raw[..., 16:]
-        if type_name == "Q4_K":
-            # 4 groups of 32 bytes: 32 weights in the low nibbles, the next 32 in the high.
-            qs = rest.reshape(n, -1, 4, 1, 32)
-            q = np.concatenate([qs & 15, qs >> 4], axis=-2)
-            bits = 4
-        else:
-            high = _bit_plane(rest[..., :32], 256).reshape(n, -1, 32, 8)  # bit j of byte l
-            qs = rest[..., 32:].reshape(n, -1, 4, 1, 32)
-            low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(n, -1, 8, 32)
-            q = low | (high.transpose(0, 1, 3, 2) << 4)  # weight 32 j + l: bit j of byte l
+        # 4 groups g of 32 bytes: weights 64 g + l in the low nibble of byte l, 64 g +
+        # 32 + l in the high; Q5_K's fifth bit of weight 32 j + l: bit j of byte l of qh.
+        low = _lanes(raw, raw.shape[-1] - 128, raw.shape[-1], 4)  # qs: the last 128 bytes
+        q = (low[:, :, None] >> _shifts(0, 4)[:, None]) & _byte_mask(15)  # [N B, g, 2, 4]
+        bits = 4
+        if type_name == "Q5_K":
+            qh = _lanes(raw, 16, 48, 1)[:, :, None]  # [N B, 1, 1, 4]
+            high = (qh >> _shifts(0, 1, 2, 3, 4, 5, 6, 7).reshape(4, 2, 1)) & _byte_mask(1)
+            q |= high << np.uint64(4)
             bits = 6
-        return _factored(q, (d, -dmin), (sc, mn), bits, 32)
+        return _factored(q.view(np.uint8).reshape(n, k), (d, -dmin), (sc, mn), bits, 32)
     if type_name == "Q2_K":
         # 16 bytes of scales (low nibble sc, high m), 64 of 2-bit q, float16 d, dmin.
         # Weight 128 h + 32 s + l: bits 2 s of byte 32 h + l.
@@ -581,11 +617,14 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
         d = _f16(raw[..., 108:110])[..., 0]
         return _factored(q, (d, -4 * d), (sc, sc), 6, 16)
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, a float16 d.
-    ql = raw[..., :128].reshape(n, -1, 2, 1, 64)
-    low = np.concatenate([ql & 15, ql >> 4], axis=-2).reshape(n, -1, 2, 4, 32)
-    qh = raw[..., 128:192].reshape(n, -1, 2, 1, 32)
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-    q = low | (high << 4)
+    # Per half h of 128 weights and l < 32: weights 128 h + l and + 64 in byte l of
+    # ql's 64 (low and high nibble), + 32 and + 96 in byte 32 + l; their top bits in
+    # bits 0, 4, 2 and 6 of byte l of qh's 32.
+    ql = _lanes(raw, 0, 128, 2).reshape(-1, 2, 1, 2, 4)  # [N B, h, 1, 32-byte half, 4]
+    qh = _lanes(raw, 128, 192, 2).reshape(-1, 2, 1, 1, 4)
+    low = (ql >> _shifts(0, 4).reshape(2, 1, 1)) & _byte_mask(15)
+    high = (qh >> _shifts(0, 2, 4, 6).reshape(2, 2, 1)) & _byte_mask(3)
+    q = (low | (high << np.uint64(4))).view(np.uint8).reshape(n, k)
     sc = raw[..., 192:208].view(np.int8)
     d = _f16(raw[..., 208:210])[..., 0]
     return _factored(q, (d, -32 * d), (sc, sc), 6, 16)

@@ -10,7 +10,7 @@ count, ``H`` the hidden size; values are in the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from max.dtype import DType
 from max.graph import TensorValue, ops
@@ -23,7 +23,49 @@ from .config import DecoderConfig
 WeightFn = Callable[[str], TensorValue]
 
 
-def embedding_table(config: DecoderConfig, quant_formats: Mapping[str, PackedFormat]) -> str:
+def part_rows(config: DecoderConfig, matrix: str) -> list[int]:
+    """Rows of each weight stacked into graph matrix ``matrix``, in order (see
+    :func:`maxkv.models.decoder.matrix_sources`): Q, K and V of a ``wqkv``;
+    gate and up of a ``gate_up``; one part otherwise."""
+    c = config
+    if matrix.endswith(".wqkv"):
+        kv = c.num_key_value_heads * c.head_dim
+        return [c.num_attention_heads * c.head_dim, kv, kv]
+    if matrix.endswith(".gate_up"):
+        return [c.intermediate_size, c.intermediate_size]
+    if matrix.endswith(".wo") or matrix.endswith(".down"):
+        return [c.hidden_size]
+    if matrix == "lm_head":
+        return [c.vocab_size]
+    raise ValueError(f"{matrix!r} is not a graph matrix")
+
+
+def piece_name(matrix: str, first: int) -> str:
+    """The graph weight stem of the piece of ``matrix`` that starts at its part
+    ``first``: a stacked matrix whose parts a file holds in different formats is
+    held as pieces, runs of parts of one format, each its own quantized copy
+    (``layers.0.wqkv`` for Q and K, ``layers.0.wqkv.2`` for V)."""
+    return matrix if first == 0 else f"{matrix}.{first}"
+
+
+def matrix_of(stem: str) -> str:
+    """The matrix a :func:`piece_name` is a piece of (a matrix's own name: itself)."""
+    matrix, _, last = stem.rpartition(".")
+    return matrix if matrix and last.isdigit() else stem
+
+
+def pieces(
+    config: DecoderConfig, matrix: str, quant_formats: Mapping[str, PackedFormat]
+) -> list[tuple[str, int]]:
+    """``(stem, rows)`` of each piece of ``matrix`` in ``quant_formats`` (see
+    :func:`piece_name`): the matrix whole, unless it is held in pieces."""
+    rows = part_rows(config, matrix)
+    starts = [0] + [p for p in range(1, len(rows)) if piece_name(matrix, p) in quant_formats]
+    ends = [*starts[1:], len(rows)]
+    return [(piece_name(matrix, a), sum(rows[a:b])) for a, b in zip(starts, ends, strict=True)]
+
+
+def embedding_table(config: DecoderConfig, quant_formats: Collection[str]) -> str:
     """The graph weight the embedding gathers its rows from: ``lm_head`` where the
     head is tied and held as a quantized copy (one table for both: no
     ``embed_tokens`` weight), else ``embed_tokens`` (float32, or its own copy)."""
@@ -67,7 +109,19 @@ class Blocks:
         self, x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
     ) -> TensorValue:
         """``x [T, in] @ w.T`` (plus ``residual [T, out]``) for the matrix ``name``;
-        packed, the add happens in the matmul's epilogue."""
+        packed, the add happens in the matmul's epilogue.  A matrix held in pieces
+        (:func:`pieces`) is one matmul a piece, their columns concatenated (each
+        output the same sum in the same order)."""
+        split = pieces(self.config, name, self.quant_formats) if self.packed else []
+        if len(split) > 1:
+            y = ops.concat([self._matmul(x, stem, rows) for stem, rows in split], axis=1)
+            return y if residual is None else residual + y
+        return self._matmul(x, name, out_features, residual)
+
+    def _matmul(
+        self, x: TensorValue, name: str, out_features: int, residual: TensorValue | None = None
+    ) -> TensorValue:
+        """:meth:`linear` of one graph matrix or piece ``name``."""
         if self.packed and name in self.quant_formats:  # held as the file stores it
             quantized = (self.weight(f"{name}.q"), self.weight(f"{name}.sm"))
             return kvops.linear_packed(x, None, out_features, quantized, residual=residual)

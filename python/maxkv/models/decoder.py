@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
@@ -32,12 +33,13 @@ from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
-from ..cpu.quantized import BlockQuantized, PackedFormat, TileBuilder, stacked_format
+from ..cpu.features import usable_cores
+from ..cpu.quantized import TILE, BlockQuantized, PackedFormat, TileBuilder, stacked_format
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
 from ..kernels import kernels_path, load_graph
-from .blocks import Blocks, embedding_table
+from .blocks import Blocks, embedding_table, matrix_of, piece_name, pieces
 from .config import DecoderConfig, check_weights
 from .held import FileBlocks, HeldWeights, check_held
 from .memory import check_fits
@@ -192,7 +194,10 @@ def graph_weights(
         w = check_weights(config, weights)
     out: dict[str, np.ndarray] = config.rope_tables()
     quant_formats: dict[str, PackedFormat] = {}
-    from_blocks = held_formats(config, held, greedy_head=greedy_head) if packed and held else {}
+    # The file's blocks, read by every step (and gathered from, for the embedding).
+    stems = held_pieces(config, held, greedy_head=greedy_head) if packed and held else {}
+    for stem, (q, sm, fmt) in (_held_tiles(held, stems) if held else {}).items():
+        out[f"{stem}.q"], out[f"{stem}.sm"], quant_formats[stem] = q, sm, fmt
     if config.qkv_bias:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
@@ -200,8 +205,7 @@ def graph_weights(
     for name, parts in matrix_sources(config, packed=packed).items():
         # The greedy head's exact pass reads the head in float32.
         as_copy = packed and not (greedy_head and name == "lm_head")
-        if held and name in from_blocks:  # the file's blocks, read by every step
-            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_tiles(held, parts)
+        if name in quant_formats:  # held, as one piece or several
             continue
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
@@ -215,9 +219,7 @@ def graph_weights(
     # A tied head held as a copy alone is the embedding's table too.
     shared = embedding_table(config, quant_formats) == "lm_head"
     for name, source in vector_sources(config).items():
-        if held and name in from_blocks:  # gathered from its own tiles
-            out[f"{name}.q"], out[f"{name}.sm"], quant_formats[name] = _held_tiles(held, [source])
-        elif not (shared and name == "embed_tokens"):
+        if name not in quant_formats and not (shared and name == "embed_tokens"):
             out[name] = w[source]
     if greedy_head:
         if not packed:
@@ -240,22 +242,39 @@ def graph_weights(
     }
 
 
+def held_pieces(
+    config: DecoderConfig, blocks: FileBlocks, *, greedy_head: bool = False
+) -> dict[str, list[str]]:
+    """The graph weights a packed graph lays out from ``blocks`` (the matrices a
+    file holds as blocks), stem -> the held matrices stacked into it: every matrix
+    of :func:`matrix_sources` all of whose parts are held (but the head of a
+    ``greedy_head`` graph, read in float32), in pieces where its parts' formats
+    differ (:func:`~maxkv.models.blocks.piece_name`: a Q6_K V beside Q4_K Q and K
+    rows would widen them to 6 bits), and ``embed_tokens`` unless a tied head held
+    so holds it already (:func:`~maxkv.models.blocks.embedding_table`)."""
+    held: dict[str, list[str]] = {}
+    for name, parts in matrix_sources(config, packed=True).items():
+        if (greedy_head and name == "lm_head") or not all(p in blocks for p in parts):
+            continue
+        start = 0
+        for end in range(1, len(parts) + 1):
+            if end == len(parts) or blocks.format(parts[end]) != blocks.format(parts[start]):
+                held[piece_name(name, start)] = parts[start:end]
+                start = end
+    embed = vector_sources(config)["embed_tokens"]
+    if embed in blocks and embedding_table(config, held) == "embed_tokens":
+        held["embed_tokens"] = [embed]
+    return held
+
+
 def held_formats(
     config: DecoderConfig, blocks: FileBlocks, *, greedy_head: bool = False
 ) -> dict[str, PackedFormat]:
-    """The graph weights a packed graph lays out from ``blocks`` (the matrices a
-    file holds as blocks) and their formats: every matrix of
-    :func:`matrix_sources` all of whose parts are held (but the head of a
-    ``greedy_head`` graph, read in float32), and ``embed_tokens`` unless a tied
-    head held so holds it already (:func:`~maxkv.models.blocks.embedding_table`)."""
-    formats: dict[str, PackedFormat] = {}
-    for name, parts in matrix_sources(config, packed=True).items():
-        if not (greedy_head and name == "lm_head") and all(p in blocks for p in parts):
-            formats[name] = stacked_format([blocks.format(part) for part in parts])
-    embed = vector_sources(config)["embed_tokens"]
-    if embed in blocks and embedding_table(config, formats) == "embed_tokens":
-        formats["embed_tokens"] = blocks.format(embed)
-    return formats
+    """:func:`held_pieces`' stems and the format each is laid out in."""
+    return {
+        stem: stacked_format([blocks.format(part) for part in parts])
+        for stem, parts in held_pieces(config, blocks, greedy_head=greedy_head).items()
+    }
 
 
 def graph_weight_bytes(
@@ -281,24 +300,38 @@ def graph_weight_bytes(
     )
 
 
-#: Rows of a held matrix read from its file at a time while packing: what a load
-#: holds beyond the packed weights (Q6_K: 2.5 bytes a weight, ~40 MB at K = 4096).
-PACK_ROWS = 4096
+#: Weights of a held matrix read from its file at a time while packing (whole
+#: tiles of 64 rows, at least one): its temporaries (a few bytes a weight) stay
+#: below glibc's 32 MiB ceiling for reusing freed memory, so a load does not
+#: fault in fresh pages for every piece (a third of the 8B's packing time).
+PACK_WEIGHTS = 1 << 22
 
 
-def _held_tiles(blocks: FileBlocks, parts: Sequence[str]) -> tuple[Any, Any, PackedFormat]:
-    """``(q, sm, format)``: held matrices ``parts`` stacked by rows in the tile layout
-    (:class:`~maxkv.cpu.quantized.TileBuilder`), read :data:`PACK_ROWS` rows at a time."""
-    fmt = stacked_format([blocks.format(part) for part in parts])
-    builder = TileBuilder(fmt, sum(blocks.shape(p)[0] for p in parts), blocks.shape(parts[0])[1])
-    row = 0
-    for part in parts:
-        n = blocks.shape(part)[0]
-        for start in range(0, n, PACK_ROWS):
-            builder.write(row + start, blocks.read(part, start, min(n, start + PACK_ROWS)))
-        blocks.release(part)
-        row += n
-    return builder.q, builder.sm, fmt
+def _held_tiles(
+    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]]
+) -> dict[str, tuple[np.ndarray, np.ndarray, PackedFormat]]:
+    """Graph weight name -> ``(q, sm, format)``: each entry's held matrices stacked by
+    rows in the tile layout (:class:`~maxkv.cpu.quantized.TileBuilder`), read
+    :data:`PACK_WEIGHTS` weights at a time, one matrix per CPU core at once (NumPy
+    releases the GIL), each part's file pages released once it is laid out."""
+
+    def lay_out(parts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, PackedFormat]:
+        fmt = stacked_format([blocks.format(part) for part in parts])
+        k = blocks.shape(parts[0])[1]
+        builder = TileBuilder(fmt, sum(blocks.shape(p)[0] for p in parts), k)
+        row, step = 0, max(PACK_WEIGHTS // k // TILE, 1) * TILE
+        for part in parts:
+            n = blocks.shape(part)[0]
+            for start in range(0, n, step):
+                builder.write(row + start, blocks.read(part, start, min(n, start + step)))
+            blocks.release(part)
+            row += n
+        return builder.q, builder.sm, fmt
+
+    workers = min(usable_cores(), max(len(matrices), 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="maxkv-pack") as pool:
+        laid_out = pool.map(lay_out, matrices.values())
+        return dict(zip(matrices, laid_out, strict=True))
 
 
 def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:
@@ -377,15 +410,17 @@ def graph_weight_shapes(
     formats = quant_formats or {}
     if embedding_table(c, formats) == "lm_head":  # gathered from the tied head's copy
         del shapes["embed_tokens"]
-    for name, fmt in formats.items():  # held as the copy alone
-        if name == "embed_tokens":  # gathered from its own tiles
-            n, k = shapes.pop(name)
-            shapes[f"{name}.q"] = fmt.q_shape(-(-n // kvops.PACKED_TILE), k)
-            shapes[f"{name}.sm"] = fmt.sm_shape(-(-n // kvops.PACKED_TILE), k)
-            continue
-        tiles, _, k, _ = shapes.pop(name)
-        shapes[f"{name}.q"] = fmt.q_shape(tiles, k)
-        shapes[f"{name}.sm"] = fmt.sm_shape(tiles, k)
+    held = {matrix_of(stem) for stem in formats if stem != "embed_tokens"}
+    in_features = {name: shapes.pop(name)[2] for name in held}
+    for stem, fmt in formats.items():  # held as the copy alone (in pieces, or one)
+        if stem == "embed_tokens":  # gathered from its own tiles
+            n, k = shapes.pop(stem)
+        else:
+            whole = matrix_of(stem)
+            n, k = dict(pieces(c, whole, formats))[stem], in_features[whole]
+        tiles = -(-n // kvops.PACKED_TILE)
+        shapes[f"{stem}.q"] = fmt.q_shape(tiles, k)
+        shapes[f"{stem}.sm"] = fmt.sm_shape(tiles, k)
     if greedy_head:
         tiles = -(-c.vocab_size // kvops.PACKED_TILE)
         layout = kvops.greedy_head_layout() or "vnni"

@@ -1,7 +1,8 @@
 """Weights and configuration of a GGUF file (llama.cpp's format), every family maxkv serves.
 
-Read with the ``gguf`` package (installed with MAX) the way transformers' GGUF
-loader reads them (its mapping is the reference): the metadata becomes a
+Read the way transformers' GGUF loader reads them (its mapping is the
+reference; the header by :mod:`maxkv.models.gguf_header`, the blocks with the
+``gguf`` package's tables, installed with MAX): the metadata becomes a
 ``config.json`` dict through transformers' own ``GGUF_CONFIG_MAPPING``, read by
 the family's configuration reader like any checkpoint's; the block-quantized
 matrices maxkv's kernels read stay in the mapped file as their blocks
@@ -28,6 +29,7 @@ import numpy as np
 from ..cpu.quantized import GGUF_TYPES
 from .config import DecoderConfig, ModelLoadError, Weights
 from .family import Family, GGUFLayout, gguf_families
+from .gguf_header import GGUFHeader, read_header
 from .held import FileBlocks, HeldTensor, HeldWeights, check_held
 
 #: The tensors outside the layers, GGUF name -> Hugging Face name (every family).
@@ -163,7 +165,7 @@ def hf_config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -
         tokens = fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and a token list")
-        raw["vocab_size"] = len(tokens.data)  # one entry per token, none decoded
+        raw["vocab_size"] = len(tokens)  # one entry per token, none decoded
     heads = int(raw["num_attention_heads"])
     head_dim = int(_field(fields, f"{arch}.attention.key_length", raw["hidden_size"] // heads))
     # llama.cpp's head size (transformers' mapping reads it for Gemma only, and
@@ -190,16 +192,15 @@ def config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str]) -> D
     return DecoderConfig.from_hf(hf_config_from_metadata(fields, tensor_names))
 
 
-def open_gguf(path: Path) -> Any:
-    """``gguf.GGUFReader`` over ``path``, with read errors as :class:`ModelLoadError`."""
-    import gguf
+def open_gguf(path: Path) -> GGUFHeader:
+    """The header of the GGUF file at ``path`` (:func:`~maxkv.models.gguf_header.read_header`).
 
+    Raises:
+        ModelLoadError: If the file is missing or its header cannot be read.
+    """
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # truncated, not GGUF, unsupported version, ...
-        raise ModelLoadError(f"cannot read GGUF file {path}: {error}") from None
+    return read_header(path)
 
 
 class _File:
@@ -255,7 +256,7 @@ class _File:
             raw = np.asarray(tensor.data, np.uint8).reshape(n, -1)
             span = (int(tensor.data_offset), int(tensor.n_bytes))
             held[name] = HeldTensor(type_name, (n, k), raw, span, order)
-        return FileBlocks(held, getattr(self.reader.data, "_mmap", None))
+        return FileBlocks(held, self.reader.mapping)
 
 
 def read_gguf(
