@@ -32,6 +32,7 @@ from maxkv import (
 from maxkv import ops as kvops
 from maxkv.cpu.arrays import aligned
 from maxkv.cpu.quantized import BlockQuantized
+from maxkv.models.blocks import matrix_of
 from maxkv.models.config import DecoderConfig
 from maxkv.models.decoder import DecoderModel, bfloat16_buffer, cache_params, graph_weights
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
@@ -281,6 +282,12 @@ def profile_decode_step(
         session,
     )
     model = DecoderModel(c, weights, manager, session, quantized=quantized)
+    split = sorted(stem for stem in model.quant_formats if matrix_of(stem) != stem)
+    if split:  # the rows below time one matmul per layer matrix
+        raise ValueError(
+            f"the profile times one matmul per layer matrix; this model holds {len(split)} "
+            f"stacks in pieces of different formats ({split[0]}, ...)"
+        )
     step_ms, host_ms = _measure_steps(model, manager, prompts, new_tokens, num_steps, repeats=3)
     registry = graph_weights(
         c, weights, packed=True, quantized=quantized, greedy_head=model.greedy_head

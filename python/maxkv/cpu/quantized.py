@@ -441,6 +441,7 @@ def _tile_scales(
     supers, per = k // SUPER, SUPER // fmt.block
     sm[:, :, 0:2] = padded(d).reshape(tiles, TILE, supers, 2).transpose(0, 2, 3, 1)
     mult = padded(m).reshape(tiles, TILE, supers, per, 2).transpose(0, 2, 3, 4, 1)
+    assert sm.flags.c_contiguous, "the reshape below must be a view of sm"
     sm_bytes = sm.view(np.int8).reshape(tiles, supers, fmt.slots * 4 * TILE)
     sm_bytes[:, :, 2 * 4 * TILE :] = mult.reshape(tiles, supers, per * 2 * TILE)
 

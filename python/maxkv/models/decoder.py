@@ -305,6 +305,9 @@ def graph_weight_bytes(
 #: below glibc's 32 MiB ceiling for reusing freed memory, so a load does not
 #: fault in fresh pages for every piece (a third of the 8B's packing time).
 PACK_WEIGHTS = 1 << 22
+#: At most this many matrices are packed at once (one a core): what a load holds
+#: beyond the packed weights is a few of these pieces and file pages.
+PACK_THREADS = 8
 
 
 def _held_tiles(
@@ -312,8 +315,9 @@ def _held_tiles(
 ) -> dict[str, tuple[np.ndarray, np.ndarray, PackedFormat]]:
     """Graph weight name -> ``(q, sm, format)``: each entry's held matrices stacked by
     rows in the tile layout (:class:`~maxkv.cpu.quantized.TileBuilder`), read
-    :data:`PACK_WEIGHTS` weights at a time, one matrix per CPU core at once (NumPy
-    releases the GIL), each part's file pages released once it is laid out."""
+    :data:`PACK_WEIGHTS` weights at a time, one matrix per CPU core at once (up to
+    :data:`PACK_THREADS`; NumPy releases the GIL), each part's file pages released
+    once it is laid out."""
 
     def lay_out(parts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, PackedFormat]:
         fmt = stacked_format([blocks.format(part) for part in parts])
@@ -328,10 +332,12 @@ def _held_tiles(
             row += n
         return builder.q, builder.sm, fmt
 
-    workers = min(usable_cores(), max(len(matrices), 1))
-    with ThreadPoolExecutor(workers, thread_name_prefix="maxkv-pack") as pool:
-        laid_out = pool.map(lay_out, matrices.values())
-        return dict(zip(matrices, laid_out, strict=True))
+    workers = min(usable_cores(), PACK_THREADS, max(len(matrices), 1))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="maxkv-pack")
+    try:
+        return dict(zip(matrices, pool.map(lay_out, matrices.values()), strict=True))
+    finally:  # on an error, the matrices not started are not read
+        pool.shutdown(cancel_futures=True)
 
 
 def _weight_dtype(name: str, dtype: DType = DType.float32) -> DType:

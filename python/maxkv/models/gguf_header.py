@@ -25,7 +25,7 @@ import numpy as np
 from .config import ModelLoadError
 
 _MAGIC = b"GGUF"
-_STRING, _ARRAY = 8, 9
+_UINT32, _STRING, _ARRAY = 4, 8, 9
 #: GGUF's scalar value types -> their little-endian NumPy dtypes.
 _SCALARS: dict[int, np.dtype[Any]] = {
     0: np.dtype("u1"),
@@ -57,9 +57,27 @@ class GGUFField:
     count: int
     _buffer: Any
     _offset: int
+    _path: Path
 
     def contents(self) -> Any:
-        """The value: a Python ``int``, ``float``, ``bool`` or ``str``, or a list of them."""
+        """The value: a Python ``int``, ``float``, ``bool`` or ``str``, or a list of them.
+
+        Raises:
+            ModelLoadError: If a string is not UTF-8, or the value is an array of arrays.
+        """
+        if self.item_type == _ARRAY:
+            raise ModelLoadError(
+                f"cannot read GGUF file {self._path}: metadata {self.name!r} is an array of "
+                f"arrays, which maxkv does not read"
+            )
+        try:
+            return self._contents()
+        except UnicodeDecodeError:
+            raise ModelLoadError(
+                f"cannot read GGUF file {self._path}: metadata {self.name!r} is not UTF-8"
+            ) from None
+
+    def _contents(self) -> Any:
         if self.type == _STRING:
             return _string(self._buffer, self._offset)[0]
         if self.type != _ARRAY:
@@ -141,7 +159,9 @@ def _read_header(path: Path) -> GGUFHeader:
     fields: dict[str, GGUFField] = {}
     for _ in range(field_count):
         name = reader.string()
-        fields[name] = reader.field(name)
+        if name in fields:
+            raise _Bad(f"metadata {name!r} appears twice")
+        fields[name] = reader.field(name, path)
     entries = []
     for _ in range(tensor_count):
         name = reader.string()
@@ -150,12 +170,17 @@ def _read_header(path: Path) -> GGUFHeader:
             raise _Bad(f"tensor {name!r} has {dims} dimensions")
         shape = reader.unpack(f"<{dims}Q")
         type_id, offset = reader.unpack("<IQ")
+        if 0 in shape:
+            raise _Bad(f"tensor {name!r} has an empty dimension {shape}")
         entries.append((name, shape, type_id, offset))
+    if len({entry[0] for entry in entries}) != len(entries):
+        raise _Bad("a tensor name appears twice")
     alignment = _DEFAULT_ALIGNMENT
     if "general.alignment" in fields:
-        alignment = fields["general.alignment"].contents()
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise _Bad(f"general.alignment {alignment!r} is not a power of two")
+        field = fields["general.alignment"]
+        alignment = field.contents() if field.type == _UINT32 else 0
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _Bad("general.alignment is not a uint32 power of two")
     start = -(-reader.offset // alignment) * alignment
     tensors = []
     for name, shape, type_id, offset in entries:
@@ -180,7 +205,7 @@ def _string(buffer: Any, offset: int) -> tuple[str, int]:
     """The string at ``offset`` (a uint64 length, then UTF-8) and the offset after it."""
     (length,) = struct.unpack_from("<Q", buffer, offset)
     end = offset + 8 + length
-    return str(buffer[offset + 8 : end], "utf-8", "replace"), end
+    return str(buffer[offset + 8 : end], "utf-8"), end
 
 
 class _Reader:
@@ -208,7 +233,10 @@ class _Reader:
 
     def string(self) -> str:
         (length,) = self.unpack("<Q")
-        return str(self.take(length), "utf-8", "replace")
+        try:
+            return str(self.take(length), "utf-8")
+        except UnicodeDecodeError:
+            raise _Bad(f"the string at byte {self.offset - length} is not UTF-8") from None
 
     def skip_strings(self, count: int) -> None:
         buffer, offset, end = self.buffer, self.offset, len(self.buffer)
@@ -223,25 +251,32 @@ class _Reader:
                 return
         raise _Bad("truncated: its header runs past the end of the file")
 
-    def field(self, name: str) -> GGUFField:
+    def field(self, name: str, path: Path) -> GGUFField:
         (kind,) = self.unpack("<I")
         start = self.offset
         if kind == _STRING:
             self.string()
-            return GGUFField(name, kind, kind, 1, self.buffer, start)
+            return GGUFField(name, kind, kind, 1, self.buffer, start, path)
         if kind in _SCALARS:
-            self._need(_SCALARS[kind].itemsize)
-            self.offset += _SCALARS[kind].itemsize
-            return GGUFField(name, kind, kind, 1, self.buffer, start)
+            self.skip_values(kind, 1)
+            return GGUFField(name, kind, kind, 1, self.buffer, start, path)
         if kind != _ARRAY:
             raise _Bad(f"metadata {name!r} has unknown type {kind}")
         item, count = self.unpack("<IQ")
         start = self.offset
-        if item == _STRING:
+        self.skip_values(item, count)
+        return GGUFField(name, kind, item, count, self.buffer, start, path)
+
+    def skip_values(self, kind: int, count: int, depth: int = 0) -> None:
+        """Moves past ``count`` values of type ``kind`` (arrays of arrays too, a few deep)."""
+        if kind == _STRING:
             self.skip_strings(count)
-        elif item in _SCALARS:
-            self._need(count * _SCALARS[item].itemsize)
-            self.offset += count * _SCALARS[item].itemsize
-        else:  # nested arrays: no model file maxkv reads has them
-            raise _Bad(f"metadata {name!r} is an array of type {item}")
-        return GGUFField(name, kind, item, count, self.buffer, start)
+        elif kind in _SCALARS:
+            self._need(count * _SCALARS[kind].itemsize)
+            self.offset += count * _SCALARS[kind].itemsize
+        elif kind == _ARRAY and depth < 4:
+            for _ in range(count):
+                item, inner = self.unpack("<IQ")
+                self.skip_values(item, inner, depth + 1)
+        else:
+            raise _Bad(f"a metadata value has unknown type {kind} (or arrays nest too deep)")
