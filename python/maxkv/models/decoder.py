@@ -39,7 +39,7 @@ from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
 from ..kernels import kernels_path, load_graph
-from .blocks import Blocks, embedding_table, matrix_of, piece_name, pieces
+from .blocks import Blocks, embedding_table, matrix_of, part_rows, piece_name, pieces
 from .config import DecoderConfig, check_weights
 from .held import FileBlocks, HeldWeights, check_held
 from .memory import check_fits
@@ -377,7 +377,6 @@ def graph_weight_shapes(
     ``greedy_head``: with the head's int8 copy for :func:`maxkv.ops.greedy_head`.
     """
     c = config
-    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
 
     bc = kvops.packed_block_cols()
 
@@ -394,12 +393,13 @@ def graph_weight_shapes(
     if packed or not c.tie_word_embeddings:
         shapes["lm_head"] = matrix(c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
+        qkv = sum(part_rows(c, f"layers.{i}.wqkv"))
         shapes |= {
             f"layers.{i}.input_norm": (c.hidden_size,),
             f"layers.{i}.post_norm": (c.hidden_size,),
             f"layers.{i}.wqkv": matrix(qkv, c.hidden_size),
             f"layers.{i}.wo": matrix(c.hidden_size, c.num_attention_heads * c.head_dim),
-            f"layers.{i}.gate_up": matrix(2 * c.intermediate_size, c.hidden_size),
+            f"layers.{i}.gate_up": matrix(sum(part_rows(c, f"layers.{i}.gate_up")), c.hidden_size),
             f"layers.{i}.down": matrix(c.hidden_size, c.intermediate_size),
         }
         if c.qkv_bias:

@@ -232,8 +232,6 @@ class _File:
 
     def blocks(self) -> FileBlocks:
         """The matrices of :data:`~maxkv.cpu.quantized.GGUF_TYPES`, read when asked for."""
-        import gguf
-
         held: dict[str, HeldTensor] = {}
         for tensor in self.reader.tensors:
             name = self.hf_name(tensor.name)
@@ -241,10 +239,7 @@ class _File:
             type_name = tensor.tensor_type.name
             if name is None or len(shape) != 2 or type_name not in GGUF_TYPES:
                 continue
-            per_block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-            n, k = shape
-            if k % per_block or tensor.n_bytes != n * (k // per_block) * size:
-                raise ModelLoadError(f"{tensor.name}'s bytes do not hold a {type_name} {shape}")
+            n, k = shape  # whole blocks, its bytes in the file: checked by the header reader
             heads = None
             if self.layout.permuted_qk and name.endswith("q_proj.weight"):
                 heads = self.config.num_attention_heads
@@ -253,7 +248,7 @@ class _File:
             order = None
             if heads is not None:
                 order = unpermute_rope_rows(np.arange(n)[:, None], heads)[:, 0]
-            raw = np.asarray(tensor.data, np.uint8).reshape(n, -1)
+            raw = tensor.data  # uint8 [n, bytes per row]
             span = (int(tensor.data_offset), int(tensor.n_bytes))
             held[name] = HeldTensor(type_name, (n, k), raw, span, order)
         return FileBlocks(held, self.reader.mapping)
