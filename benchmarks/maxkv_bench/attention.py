@@ -15,7 +15,8 @@ turns (medians).  ``AttentionShape.dtype``: float32 (the CPU's) or bfloat16
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from maxkv import (
 )
 from maxkv import ops as kvops
 from maxkv.cache.spec import CacheSpec
-from maxkv.models.decoder import bfloat16_buffer
+from maxkv.models.decoder import bfloat16_bits, bfloat16_buffer
 
 from .timing import interleaved_median_seconds
 
@@ -50,11 +51,48 @@ class AttentionShape:
 
 @dataclass
 class DecodeData:
-    """Queries and per-sequence keys/values of one grid point."""
+    """Queries and per-sequence keys/values of one grid point.  Keys and values
+    repeat every ``fresh`` positions (:func:`make_data`'s ``period``): they are
+    drawn, rounded and laid out once per period, and tiled to ``context`` only
+    in the form a side reads."""
 
     q: np.ndarray  # [batch, heads, head_dim]
-    k: np.ndarray  # [batch, context, heads, head_dim]
-    v: np.ndarray
+    k_fresh: np.ndarray  # [batch, fresh, heads, head_dim]
+    v_fresh: np.ndarray
+    context: int
+    _stored: dict[DType, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
+
+    @property
+    def batch(self) -> int:
+        return int(self.q.shape[0])
+
+    @cached_property
+    def k(self) -> np.ndarray:
+        """float32 ``[batch, context, heads, head_dim]``."""
+        return _repeat(self.k_fresh, self.context)
+
+    @cached_property
+    def v(self) -> np.ndarray:
+        return _repeat(self.v_fresh, self.context)
+
+    def stored_kv(self, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values as a cache of ``dtype`` stores them (:func:`stored`),
+        rounded once for both sides."""
+        if dtype not in self._stored:
+            self._stored[dtype] = (
+                _repeat(stored(self.k_fresh, dtype), self.context),
+                _repeat(stored(self.v_fresh, dtype), self.context),
+            )
+        return self._stored[dtype]
+
+
+def _repeat(rows: np.ndarray, context: int) -> np.ndarray:
+    """``rows`` ``[batch, fresh, ...]`` repeated along axis 1 to ``context`` positions."""
+    fresh = rows.shape[1]
+    if fresh >= context:
+        return rows[:, :context]
+    reps = (1, -(-context // fresh)) + (1,) * (rows.ndim - 2)
+    return np.ascontiguousarray(np.tile(rows, reps)[:, :context])
 
 
 def query_types(shape: AttentionShape, device: DeviceRef) -> list[TensorType]:
@@ -89,13 +127,33 @@ def query_buffers(data: DecodeData, device: Device, dtype: DType = DType.float32
     return [host_buffer(data.q, dtype).to(device), Buffer.from_numpy(offsets).to(device)]
 
 
-def _copy_into(target: Buffer, array: np.ndarray, device: Device) -> None:
-    """Copies float32 ``array`` into ``target`` (in its dtype) and waits: the copy
-    may run asynchronously, and the source must outlive it."""
-    source = host_buffer(array, target.dtype)
-    target.inplace_copy_from(source)
+def stored(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 ``array`` as a cache of ``dtype`` stores it: float32, or bfloat16's
+    bits (uint16), rounded once for every copy made from it."""
+    if dtype == DType.bfloat16:
+        return bfloat16_bits(array)
+    if dtype != DType.float32:
+        raise ValueError(f"the attention benchmark runs float32 or bfloat16, not {dtype}")
+    return np.ascontiguousarray(array, np.float32)
+
+
+def write_rows(target: Buffer, writes: list[tuple[int, np.ndarray]], device: Device) -> None:
+    """Copies each ``(row, rows)`` of ``writes`` into ``target`` seen as rows of
+    ``[heads, head_dim]`` (its last two axes), ``rows`` (:func:`stored`, ``[n,
+    heads, head_dim]``) from row ``row`` on, then waits: the copies may run
+    asynchronously, and their sources must outlive them.  Only the rows a step
+    reads travel (a cache sized for 128 x 8,192 tokens is gigabytes)."""
+    *lead, heads, width = (int(d) for d in target.shape)
+    flat = target.view(target.dtype, [math.prod(lead), heads, width])
+    sources = []
+    for row, rows in writes:
+        source = Buffer.from_numpy(np.ascontiguousarray(rows))
+        if target.dtype == DType.bfloat16:
+            source = source.view(DType.bfloat16, list(rows.shape))
+        flat[row : row + len(rows), :, :].inplace_copy_from(source)
+        sources.append(source)
     device.synchronize()
-    del source
+    del sources
 
 
 def make_data(
@@ -109,12 +167,8 @@ def make_data(
     dims = (batch, fresh, shape.n_heads, shape.head_dim)
     k = rng.standard_normal(dims, dtype=np.float32)
     v = rng.standard_normal(dims, dtype=np.float32)
-    if fresh < context:
-        reps = (1, -(-context // fresh), 1, 1)
-        k, v = np.tile(k, reps)[:, :context], np.tile(v, reps)[:, :context]
-    return DecodeData(
-        q=rng.standard_normal((batch, shape.n_heads, shape.head_dim), dtype=np.float32), k=k, v=v
-    )
+    q = rng.standard_normal((batch, shape.n_heads, shape.head_dim), dtype=np.float32)
+    return DecodeData(q=q, k_fresh=k, v_fresh=v, context=context)
 
 
 class MaxkvDecodeAttention:
@@ -148,13 +202,18 @@ class MaxkvDecodeAttention:
         return graph
 
     def prepare(self, data: DecodeData) -> list[Buffer]:
-        batch, context = data.k.shape[:2]
+        batch, context = data.batch, data.context
         ids = self.manager.claim(batch)
-        blocks = np.zeros(self.manager.block_shape(self.shape.max_batch), dtype=np.float32)
-        blocks[:batch, 0, 0, :context] = data.k
-        blocks[:batch, 1, 0, :context] = data.v
         (inputs,) = self.manager.fetch(ids)
-        _copy_into(inputs[0], blocks, self.device)
+        # Blocks [slots, 2 (K, V), 1 layer, max_context, heads, head_dim].
+        k, v = data.stored_kv(self.shape.dtype)
+        rows = self.shape.max_context
+        writes = [
+            ((2 * slot + side) * rows, kv[b])
+            for b, slot in enumerate(ids)
+            for side, kv in enumerate((k, v))
+        ]
+        write_rows(inputs[0], writes, self.device)
         self.manager.step({i: context - 1 for i in ids})  # the new token's K/V is in place
         (inputs,) = self.manager.fetch(ids)
         for i in ids:
@@ -232,7 +291,7 @@ class MaxPagedDecodeAttention:
 
         for ctx in self._contexts:
             self.manager.release(ctx)
-        batch, context = data.k.shape[:2]
+        batch, context = data.batch, data.context
         page = self.shape.page_size
         contexts = []
         for _ in range(batch):
@@ -252,16 +311,17 @@ class MaxPagedDecodeAttention:
         (inputs,) = self.manager.runtime_inputs([contexts])
         self._contexts = contexts
 
-        # Pages outside the batch's tables stay zero: the kernel never reads them.
-        blocks = np.zeros(tuple(int(d) for d in inputs.kv_blocks.shape), np.float32)
+        # Pages [pages, 2 (K, V), 1 layer, page, heads, head_dim]: the rows of
+        # each page in the batch's tables (the kernel reads no others).
         table = inputs.lookup_table.to_numpy()
-        for b in range(batch):
-            for j in range(math.ceil(context / page)):
-                rows = slice(j * page, min((j + 1) * page, context))
-                n = rows.stop - rows.start
-                blocks[table[b, j], 0, 0, :n] = data.k[b, rows]
-                blocks[table[b, j], 1, 0, :n] = data.v[b, rows]
-        _copy_into(inputs.kv_blocks, blocks, self.device)
+        k, v = data.stored_kv(self.shape.dtype)
+        writes = [
+            ((2 * int(table[b, j]) + side) * page, kv[b, j * page : (j + 1) * page])
+            for b in range(batch)
+            for j in range(math.ceil(context / page))
+            for side, kv in enumerate((k, v))
+        ]
+        write_rows(inputs.kv_blocks, writes, self.device)
         flat, _ = tree.flatten((inputs,))
         return [*flat, *query_buffers(data, self.device, self.shape.dtype)]
 
@@ -281,12 +341,14 @@ def bench_attention_decode(
     shape: AttentionShape | None = None,
     read_bandwidth_gbps: float | None = None,
     period: int | None = None,
+    max_tokens: int | None = None,
 ) -> list[dict[str, float | int]]:
     """Median ms of one decode step per (batch, context), both sides, same data.
 
     With ``read_bandwidth_gbps`` (measured in the same run), each row also
     gives the fraction of it that each side's KV streaming reaches.
-    ``period``: see :func:`make_data`.
+    ``period``: see :func:`make_data`.  ``max_tokens``: points whose batch x
+    context is larger are left out (their data takes the host minutes to make).
     """
     shape = shape or AttentionShape(max_batch=max(batches), max_context=max(contexts))
     maxkv_side = MaxkvDecodeAttention(shape, device, session)
@@ -294,6 +356,8 @@ def bench_attention_decode(
     rows: list[dict[str, float | int]] = []
     for batch in batches:
         for context in contexts:
+            if max_tokens is not None and batch * context > max_tokens:
+                continue
             data = make_data(batch, context, shape, period=period)
             ours = maxkv_side.prepare(data)
             theirs = paged_side.prepare(data)

@@ -58,7 +58,7 @@ class _DecodeAttention:
 
     def prepare(self, data: DecodeData) -> list[Buffer]:
         """Writes the data into the cache (through the manager's own table) and fetches."""
-        batch, context = data.k.shape[:2]
+        batch, context = data.batch, data.context
         m = self.manager
         ids = m.claim(batch)
         # Grow the sequences in turns so the pages of different sequences interleave.
