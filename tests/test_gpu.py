@@ -3,6 +3,9 @@
 - The attention ops (fused QKV matmul into the cache, RoPE, flash attention)
   over both caches, four ragged steps on two layers, against
   ``tests/reference.py``.
+- A model's first and last gathers alone (the embedding rows of a ragged
+  step's tokens, then each sequence's last row), float32 and bfloat16, against
+  NumPy.
 - A two-layer Llama through the scheduler: the greedy tokens of
   :func:`maxkv.models.reference.greedy_reference`.
 - fork, pop_n and copy-on-write on both caches: the rows maxkv's copy kernel
@@ -27,7 +30,7 @@ import pytest
 from max.driver import CPU, Accelerator, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType
+from max.graph import DeviceRef, Graph, TensorType, ops
 
 from maxkv import ContinuousBatchingKVCacheManager, KVCacheParams, PagedKVCacheManager
 from maxkv import ops as kvops
@@ -35,7 +38,12 @@ from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.kernels import kernels_path
 from maxkv.models import DecoderModel
 from maxkv.models.config import default_llama
-from maxkv.models.decoder import cache_params
+from maxkv.models.decoder import (
+    bfloat16_bits,
+    bfloat16_buffer,
+    cache_params,
+    last_token_rows,
+)
 from maxkv.models.reference import greedy_reference
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
@@ -117,6 +125,41 @@ def test_attention_ops_on_the_gpu_match_numpy(kind: str, gpu: Device) -> None:
         manager.step(dict(zip(seqs, new, strict=True)))
 
 
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
+def test_the_rows_a_head_reads_on_the_gpu(dtype: DType, gpu: Device) -> None:
+    """A model's first and last gathers on the GPU, as its graph makes them: the
+    embedding rows of a ragged step's tokens, then each sequence's last row
+    (:func:`last_token_rows`), uploaded and run at once (as the scheduler and
+    the families' check do), against NumPy.  On an H200 the families' bfloat16
+    check once read each sequence's first row instead (the reference's
+    position-0 logits)."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((128, 8)).astype(np.float32)
+    ref = DeviceRef.from_device(gpu)
+    types = [
+        TensorType(DType.int64, ["total_tokens"], ref),
+        TensorType(DType.uint32, ["input_row_offsets_len"], ref),
+        TensorType(dtype, [128, 8], ref),
+    ]
+    with Graph(f"head_rows_{dtype}", input_types=types) as g:
+        tokens, offsets, rows = (v.tensor for v in g.inputs)
+        h = ops.gather(rows, tokens, axis=0)
+        g.output(ops.cast(ops.gather(h, last_token_rows(offsets), axis=0), DType.float32))
+    model = InferenceSession(devices=[gpu]).load(g)
+    if dtype == DType.bfloat16:
+        host, stored = bfloat16_buffer(table), bfloat16_float32(table)
+    else:
+        host, stored = Buffer.from_numpy(table), table
+    for lengths in ([40, 21, 5], [1, 1, 1], [7]):
+        ids = rng.integers(0, 128, sum(lengths))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+        (got,) = model.execute(
+            Buffer.from_numpy(ids).to(gpu), Buffer.from_numpy(offsets).to(gpu), host.to(gpu)
+        )
+        want = stored[ids[offsets[1:] - 1]]
+        np.testing.assert_array_equal(got.to(CPU()).to_numpy(), want, str(lengths))
+
+
 def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) -> None:
     config, weights = default_llama()
     prompts = [[1, 5, 9, 200, 3], [7, 7, 100], [42]]
@@ -130,6 +173,11 @@ def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) ->
         scheduler.submit(prompt, 6)
     outputs, _ = scheduler.run()
     assert outputs == [greedy_reference(config, weights, p, 6) for p in prompts]
+
+
+def bfloat16_float32(array: np.ndarray) -> np.ndarray:
+    """``array`` rounded to bfloat16, as float32 (the values a bfloat16 buffer holds)."""
+    return (bfloat16_bits(array).astype(np.uint32) << 16).view(np.float32)
 
 
 #: Rows no sequence has written: copies must leave them alone.

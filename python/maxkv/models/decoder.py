@@ -26,7 +26,7 @@ import numpy as np
 from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType, Weight, ops
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 from .. import ops as kvops
 from ..cache.params import KVCacheParams
@@ -515,7 +515,7 @@ def build_decoder_graph(
         if rows is not None:
             last = rows  # dimension "head_rows"
         else:
-            last = ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
+            last = last_token_rows(offsets)
         for i in range(cfg.num_hidden_layers):
             x = blocks.norm(h, f"layers.{i}.input_norm")
             freqs = weight(cfg.rope_name(i))
@@ -564,6 +564,13 @@ def build_decoder_graph(
         else:
             g.output(logits)
     return g
+
+
+def last_token_rows(offsets: TensorValue) -> TensorValue:
+    """uint32 ``[batch_size + 1]`` row offsets -> int64 ``[batch_size]``: the row
+    of each sequence's last token in a step's ragged ``[total_tokens, ...]``
+    rows (the rows a head reads)."""
+    return ops.cast(ops.rebind(offsets[1:] - 1, ["batch_size"]), DType.int64)
 
 
 def _check_prepared(
