@@ -23,6 +23,7 @@ the device first (minutes).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -134,30 +135,31 @@ def test_the_rows_a_head_reads_on_the_gpu(dtype: DType, gpu: Device) -> None:
     check once read each sequence's first row instead (the reference's
     position-0 logits)."""
     rng = np.random.default_rng(0)
-    table = rng.standard_normal((128, 8)).astype(np.float32)
     ref = DeviceRef.from_device(gpu)
     types = [
         TensorType(DType.int64, ["total_tokens"], ref),
         TensorType(DType.uint32, ["input_row_offsets_len"], ref),
-        TensorType(dtype, [128, 8], ref),
+        TensorType(dtype, [128, "hidden"], ref),
     ]
     with Graph(f"head_rows_{dtype}", input_types=types) as g:
         tokens, offsets, rows = (v.tensor for v in g.inputs)
         h = ops.gather(rows, tokens, axis=0)
         g.output(ops.cast(ops.gather(h, last_token_rows(offsets), axis=0), DType.float32))
     model = InferenceSession(devices=[gpu]).load(g)
-    if dtype == DType.bfloat16:
-        host, stored = bfloat16_buffer(table), bfloat16_float32(table)
-    else:
-        host, stored = Buffer.from_numpy(table), table
-    for lengths in ([40, 21, 5], [1, 1, 1], [7]):
+    # The families' check's hidden size, then SmolLM2's.
+    for hidden, lengths in itertools.product([64, 576], ([40, 21, 5], [1, 1, 1], [7])):
+        table = rng.standard_normal((128, hidden)).astype(np.float32)
+        if dtype == DType.bfloat16:
+            host, stored = bfloat16_buffer(table), bfloat16_float32(table)
+        else:
+            host, stored = Buffer.from_numpy(table), table
         ids = rng.integers(0, 128, sum(lengths))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
         (got,) = model.execute(
             Buffer.from_numpy(ids).to(gpu), Buffer.from_numpy(offsets).to(gpu), host.to(gpu)
         )
         want = stored[ids[offsets[1:] - 1]]
-        np.testing.assert_array_equal(got.to(CPU()).to_numpy(), want, str(lengths))
+        np.testing.assert_array_equal(got.to(CPU()).to_numpy(), want, f"{hidden} {lengths}")
 
 
 def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) -> None:
