@@ -77,6 +77,8 @@ _FORMATS = {
     "Q6_K": (6, 16, True),
     "Q2_K": (6, 16, True),
     "Q3_K": (6, 16, True),
+    "IQ4_NL": (8, 32, False),
+    "IQ4_XS": (8, 32, False),
 }
 
 
@@ -151,13 +153,14 @@ def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> No
 def test_a_gguf_matrix_is_never_held_as_float32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Loading a Q4_K_M-style file and laying out its graph weights widens no
+    """Loading a Q4_K_M-style file (with IQ4_XS and IQ4_NL matrices, as such
+    files of the families come too) and laying out its graph weights widens no
     matrix: the loader keeps only 1-D tensors as float32, nothing dequantizes a
     held matrix on the way (the embedding is gathered from its blocks), and
     every float32 graph weight is a vector or the RoPE table."""
     config = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     path = tmp_path / "tiny-q4_k_m.gguf"
-    kinds = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
+    kinds = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "IQ4_XS", "ffn_up": "IQ4_NL"}
     overrides = {f"blk.{i}.{t}.weight": kind for t, kind in kinds.items() for i in range(2)}
     overrides |= {"output.weight": "Q6_K", "token_embd.weight": "Q4_K"}
     write_llama_gguf(
@@ -441,8 +444,8 @@ def test_bad_blocks_are_refused() -> None:
         BlockQuantized.factored(q256, d, m.astype(np.int16), 6, 16)
     with pytest.raises(ValueError, match="does not fit"):  # 6-bit rows into 4 bits
         BlockQuantized.factored(q256, d, m, 6, 16).as_format(PackedFormat(4, 32, True))
-    with pytest.raises(ValueError, match="cannot read IQ4_NL"):
-        from_gguf_blocks("IQ4_NL", np.zeros(18, np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="cannot read IQ3_S"):
+        from_gguf_blocks("IQ3_S", np.zeros(110, np.uint8), (1, 256))
     with pytest.raises(ValueError, match="bytes"):
         from_gguf_blocks("Q8_0", np.zeros(33, np.uint8), (1, 32))
     with pytest.raises(ValueError, match="multiple of Q4_K's 256"):

@@ -34,12 +34,20 @@ Q5_K     8 bits (5)  32     ``d * sc``, ``-(dmin * m)``
 Q6_K     8 bits (6)  16     ``d * sc``, ``-32 d * sc`` (int8 ``sc``)
 Q2_K     8 bits (2)  16     ``d * sc``, ``-(dmin * m)`` (4-bit ``sc``, ``m``)
 Q3_K     8 bits (3)  16     ``d * sc``, ``-4 d * sc`` (6-bit ``sc - 32``)
+IQ4_NL   8 bits      32     ``d``, ``-128 d``
+IQ4_XS   8 bits      32     ``d * (ls - 32)``, ``-128 d * (ls - 32)`` (6-bit ``ls``)
 =======  ==========  =====  =====================================================
+
+IQ4_NL and IQ4_XS store 4-bit indices into a table of 16 int8 values
+(:data:`IQ4_VALUES`, non-linear, so no scale and offset make them 4-bit
+integers): the copy holds each weight's table value plus 128, a byte, and every
+``fma`` is exact (``(q - 128) * scale`` has at most 24 significant bits).
 
 The kernel reads 4-, 6- and 8-bit integers (:data:`PACKED_FORMATS`), so
 Q5_0 and Q5_1 take a byte a weight (the file 0.69 and 0.75), Q2_K, Q3_K and
 Q5_K six bits with blocks of 16 (0.91 bytes; the file 0.33, 0.43 and 0.69);
-Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56).
+Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56), IQ4_NL
+and IQ4_XS 10 (the files 4.5 and 4.25).
 """
 
 from __future__ import annotations
@@ -147,7 +155,14 @@ GGUF_FORMATS = {
     "Q6_K": PackedFormat(6, 16, True),
     "Q2_K": PackedFormat(6, 16, True),
     "Q3_K": PackedFormat(6, 16, True),
+    "IQ4_NL": PackedFormat(8, 32),
+    "IQ4_XS": PackedFormat(8, 32),
 }
+
+#: The int8 values IQ4_NL's and IQ4_XS's 4-bit indices name (``kvalues_iq4nl``).
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16
+)
 #: GGML types :func:`from_gguf_blocks` reads.
 GGUF_TYPES = tuple(GGUF_FORMATS)
 
@@ -481,6 +496,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
+def _iq4_bytes(qs: np.ndarray, n: int, k: int) -> np.ndarray:
+    """IQ4 indices (per 32 weights 16 bytes: weights 0-15 in the low nibbles, 16-31
+    in the high) -> uint8 ``[N, K]``: each weight's :data:`IQ4_VALUES` value + 128."""
+    table = (IQ4_VALUES + 128).astype(np.uint8)
+    return np.ascontiguousarray(table[_nibbles(qs.reshape(n, -1, 16))].reshape(n, k))
+
+
 def _bit_plane(bits: np.ndarray, count: int) -> np.ndarray:
     """Bit ``i`` of a little-endian bit string (bytes ``[..., count / 8]``) as ``[..., count]``."""
     return np.unpackbits(bits, axis=-1, count=count, bitorder="little")
@@ -578,6 +600,19 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int])
         scale = _f16(raw[..., 0:2])[..., 0]
         q = raw[..., 2:] ^ np.uint8(128)  # int8 + 128, as uint8
         return BlockQuantized(q.reshape(n, k), scale, -128 * scale, 8)
+    if type_name == "IQ4_NL":  # a float16 d, 16 bytes of indices (as Q4_0's nibbles)
+        scale = _f16(raw[..., 0:2])[..., 0]
+        return BlockQuantized(_iq4_bytes(raw[..., 2:], n, k), scale, -128 * scale, 8)
+    if type_name == "IQ4_XS":
+        # A float16 d, 16 high bits and 4 bytes of low nibbles of eight 6-bit ls
+        # (sub-block j: nibble j of scales_l, bits 2 j of scales_h), then eight
+        # sub-blocks of 16 bytes of indices.
+        d = _f16(raw[..., 0:2])[..., 0]
+        high = raw[..., 2:4].copy().view("<u2")  # [N, B, 1]
+        high = (high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [N, B, 8]
+        low = (raw[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(n, -1, 8) & 15
+        scale = (d[..., None] * ((low | (high << 4)).astype(np.float32) - 32)).reshape(n, -1)
+        return BlockQuantized(_iq4_bytes(raw[..., 8:], n, k), scale, -128 * scale, 8)
     if type_name in ("Q4_K", "Q5_K"):
         # Per 32: d * sc and -(dmin * m), a float16 times 6-bit integers.
         d, dmin = _f16(raw[..., 0:2])[..., 0], _f16(raw[..., 2:4])[..., 0]
