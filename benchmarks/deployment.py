@@ -7,10 +7,13 @@ For each shape of ``benchmarks/deployment_gguf.py`` (the file is written first
 if missing), in a fresh process each time, one at a time:
 
 - maxkv: ``open_model`` then ``DecoderModel`` (greedy tokens, a one-sequence
-  contiguous cache of 512 tokens), run twice: the first run compiles the graph
-  (``load_and_compile_s``), the second finds it cached (``load_s``).  In the
-  second, a 40-token chat prompt is prefilled and decoded for 1 and for
-  ``1 + new_tokens`` tokens by maxkv's scheduler (one step a fetch), repeated;
+  contiguous cache of 512 tokens), run three times: the first compiles the
+  graph where MAX's cache lacks it and packs the file's tiles, keeping them
+  (``load_and_compile_s``); the second packs them again, the packed cache off
+  (``load_packing_s``, the graph cached); the third finds both cached
+  (``load_s``, the tiles read back from the packed cache).  In the third, a
+  40-token chat prompt is prefilled and decoded for 1 and for ``1 + new_tokens``
+  tokens by maxkv's scheduler (one step a fetch), repeated;
   decode tokens/s is ``new_tokens`` over the median difference.  The bytes a
   decode step reads are the graph weights it streams (every matrix, the head;
   not the embedding's other rows), reported as a fraction of this machine's
@@ -127,10 +130,13 @@ def measure_llama_cpp(binary: Path, path: Path, new_tokens: int) -> dict[str, An
     }
 
 
-def _child(shape: str, new_tokens: int, repeats: int, decode: bool) -> dict[str, Any]:
+def _child(
+    shape: str, new_tokens: int, repeats: int, decode: bool, packed_cache: bool = True
+) -> dict[str, Any]:
     command = [sys.executable, __file__, shape, "--child", "--new-tokens", str(new_tokens)]
     command += ["--repeats", str(repeats)] + ([] if decode else ["--no-decode"])
-    result = subprocess.run(command, capture_output=True, text=True)
+    env = os.environ | {"MAXKV_PACKED_CACHE": "1" if packed_cache else "0"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode:
         raise SystemExit(f"{shape}: the measurement failed:\n{result.stderr[-3000:]}")
     row: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -176,9 +182,12 @@ def main() -> None:
         if args.llama_bench:
             row["llama_cpp"] = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
         first = _child(shape, args.new_tokens, args.repeats, decode=False)
-        row["maxkv"] = {"load_and_compile_s": first["load_s"]} | _child(
-            shape, args.new_tokens, args.repeats, decode=True
-        )
+        packing = _child(shape, args.new_tokens, args.repeats, decode=False, packed_cache=False)
+        row["maxkv"] = {
+            "load_and_compile_s": first["load_s"],
+            "load_packing_s": packing["load_s"],
+            "load_packing_peak_rss_mib": packing["peak_rss_mib"],
+        } | _child(shape, args.new_tokens, args.repeats, decode=True)
         if "llama_cpp" in row:
             row["decode_vs_llama_cpp"] = round(
                 row["maxkv"]["decode_tokens_per_s"] / row["llama_cpp"]["decode_tokens_per_s"], 3

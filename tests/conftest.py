@@ -48,6 +48,11 @@ from maxkv.models import DecoderModel
 from maxkv.models.resolve import LoadedModel
 from maxkv.tiers.local_server import LocalRedisServer as RedisServer
 
+# A GGUF is packed at every load in the suite (and its subprocesses): a test
+# of loading sees the loading, not tiles an earlier run kept.
+# tests/test_packed_cache.py turns the packed cache on where it tests it.
+os.environ.setdefault("MAXKV_PACKED_CACHE", "0")
+
 #: What the reliability tests exercised; printed in pytest's terminal summary.
 RELIABILITY_COUNTS: Counter[str] = Counter()
 

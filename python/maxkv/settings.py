@@ -203,6 +203,13 @@ GREEDY_HEAD: Setting[bool] = Setting(
     "maxkv's exact integer greedy head",
     "process",
 )  # fmt: skip
+PACKED_CACHE: Setting[bool] = Setting(
+    "MAXKV_PACKED_CACHE", True, _flag, "1 or 0",
+    "1: a GGUF's packed CPU tiles are kept under the cache folder's packed/ and "
+    "mapped at the next load of the same file (checked against their digests); 0: "
+    "packed at every load",
+    "process",
+)  # fmt: skip
 MODEL_ID: Setting[str | None] = Setting(
     "MAXKV_MODEL_ID", None, _optional_text, "a name",
     "names the weights for the KV tiers instead of a digest of the checkpoint's files",
@@ -419,7 +426,7 @@ MAX_CHOICES: Setting[int] = Setting(
 SETTINGS: dict[str, Setting[object]] = {
     s.name: s  # type: ignore[misc]
     for s in (
-        CACHE_DIR, EVENT_LOG, GREEDY_HEAD, MODEL_ID,
+        CACHE_DIR, EVENT_LOG, GREEDY_HEAD, PACKED_CACHE, MODEL_ID,
         CACHE, PAGE_SIZE, SLIDING_WINDOW, ATTENTION_SINKS, KEEP_WINDOW_PAGES, KV_CACHE_GB,
         HOST_TIER_GB, DISK_TIER_DIR, DISK_TIER_GB, REDIS_URL, REDIS_NAMESPACE, SWAP_GB,
         TIER_SECRET, TIER_SECRET_FILE, TIER_OLD_SECRETS, TIER_INSECURE, TIER_ENCRYPT,

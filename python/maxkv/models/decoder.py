@@ -43,6 +43,7 @@ from .blocks import Blocks, embedding_table, matrix_of, part_rows, piece_name, p
 from .config import DecoderConfig, check_weights
 from .held import FileBlocks, HeldWeights, check_held
 from .memory import check_fits
+from .packed_cache import load_or_pack
 
 
 def cache_params(
@@ -196,7 +197,7 @@ def graph_weights(
     quant_formats: dict[str, PackedFormat] = {}
     # The file's blocks, read by every step (and gathered from, for the embedding).
     stems = held_pieces(config, held, greedy_head=greedy_head) if packed and held else {}
-    for stem, (q, sm, fmt) in (_held_tiles(held, stems) if held else {}).items():
+    for stem, (q, sm, fmt) in (load_or_pack(held, stems, _held_tiles) if held else {}).items():
         out[f"{stem}.q"], out[f"{stem}.sm"], quant_formats[stem] = q, sm, fmt
     if config.qkv_bias:
         for i in range(config.num_hidden_layers):

@@ -251,7 +251,7 @@ class _File:
             raw = tensor.data  # uint8 [n, bytes per row]
             span = (int(tensor.data_offset), int(tensor.n_bytes))
             held[name] = HeldTensor(type_name, (n, k), raw, span, order)
-        return FileBlocks(held, self.reader.mapping)
+        return FileBlocks(held, self.reader.mapping, source=self.path)
 
 
 def read_gguf(

@@ -14,9 +14,11 @@ dequantized on each access, into an array its caller owns.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,9 +52,17 @@ class FileBlocks(Mapping[str, BlockQuantized]):
     the OS (read again if asked for), so a file read once resides once.
     """
 
-    def __init__(self, tensors: Mapping[str, HeldTensor], mapping: mmap.mmap | None = None):
+    def __init__(
+        self,
+        tensors: Mapping[str, HeldTensor],
+        mapping: mmap.mmap | None = None,
+        *,
+        source: Path | None = None,
+    ):
         self._tensors = dict(tensors)
         self._mapping = mapping
+        #: The file the blocks are read from, where known (the packed cache's key).
+        self.source = source
 
     def __getitem__(self, name: str) -> BlockQuantized:
         return self.read(name, 0, self.shape(name)[0])
@@ -69,6 +79,20 @@ class FileBlocks(Mapping[str, BlockQuantized]):
     def shape(self, name: str) -> tuple[int, int]:
         """``(N, K)`` of matrix ``name``, without reading it."""
         return self._tensors[name].shape
+
+    def identity(self, name: str) -> list[object]:
+        """What matrix ``name``'s values are made from: its GGML type, shape, bytes'
+        span in the file and row order (a digest), as JSON values."""
+        tensor = self._tensors[name]
+        order = None
+        if tensor.order is not None:
+            order = hashlib.blake2b(tensor.order.astype(np.int64).tobytes(), digest_size=8)
+        return [
+            tensor.type_name,
+            list(tensor.shape),
+            list(tensor.span),
+            None if order is None else order.hexdigest(),
+        ]
 
     def format(self, name: str) -> PackedFormat:
         """The kernel format matrix ``name`` is read in."""
