@@ -74,6 +74,14 @@ unpack() {
     echo
 }
 
+kernels_tar() {  # maxkv's compiled Mojo package, as .gpu/b/kernels.tar
+    local built
+    built=$(mktemp -d)
+    MAXKV_CACHE_DIR="$built" python3 -c "from maxkv.kernels import kernels_path; kernels_path()"
+    tar -C "$built" -cf "$here/.gpu/b/kernels.tar" --exclude='.staging*' .
+    rm -rf "$built"
+}
+
 case "${1:-}" in
 payload)
     set -e
@@ -115,8 +123,7 @@ payload)
         exit 1
     fi
     mv "$here/.gpu/core.tar.xz.0" "$here/.gpu/a/" && mv "$here/.gpu/core.tar.xz.1" "$here/.gpu/b/"
-    MAXKV_CACHE_DIR="$work/kernels" python3 -c "from maxkv.kernels import kernels_path; kernels_path()"
-    tar -C "$work/kernels" -cf "$here/.gpu/b/kernels.tar" --exclude='.staging*' .
+    kernels_tar
     # The study's graphs for an H100/H200 (sm_90a), compiled on virtual devices.
     (cd "$here/benchmarks" && python3 gpu_study.py --device virtual --target cuda:sm_90a \
         --parts export --shapes "smollm2,$FAMILY_SHAPES" --export-mefs "$work/mefs" \
@@ -127,10 +134,7 @@ payload)
     ;;
 kernels)
     set -e
-    work=$(mktemp -d)
-    MAXKV_CACHE_DIR="$work" python3 -c "from maxkv.kernels import kernels_path; kernels_path()"
-    tar -C "$work" -cf "$here/.gpu/b/kernels.tar" --exclude='.staging*' .
-    rm -rf "$work"
+    kernels_tar
     tar -tf "$here/.gpu/b/kernels.tar"
     ;;
 stash)

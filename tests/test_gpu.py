@@ -39,17 +39,13 @@ from maxkv.cache.protocol import KVCacheManagerBase
 from maxkv.kernels import kernels_path
 from maxkv.models import DecoderModel
 from maxkv.models.config import default_llama
-from maxkv.models.decoder import (
-    bfloat16_bits,
-    bfloat16_buffer,
-    cache_params,
-    last_token_rows,
-)
+from maxkv.models.decoder import bfloat16_buffer, cache_params, last_token_rows
 from maxkv.models.reference import greedy_reference
 from maxkv.serving.scheduler import ContinuousBatchingScheduler
 
 from .family_checkpoints import FAMILIES
 from .reference import ReferenceLayerCache
+from .test_bfloat16 import bfloat16_rounded
 from .test_families import check_bfloat16_family
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +146,7 @@ def test_the_rows_a_head_reads_on_the_gpu(dtype: DType, gpu: Device) -> None:
     for hidden, lengths in itertools.product([64, 576], ([40, 21, 5], [1, 1, 1], [7])):
         table = rng.standard_normal((128, hidden)).astype(np.float32)
         if dtype == DType.bfloat16:
-            host, stored = bfloat16_buffer(table), bfloat16_float32(table)
+            host, stored = bfloat16_buffer(table), bfloat16_rounded(table)
         else:
             host, stored = Buffer.from_numpy(table), table
         ids = rng.integers(0, 128, sum(lengths))
@@ -175,11 +171,6 @@ def test_a_two_layer_llama_on_the_gpu_gives_numpys_greedy_tokens(gpu: Device) ->
         scheduler.submit(prompt, 6)
     outputs, _ = scheduler.run()
     assert outputs == [greedy_reference(config, weights, p, 6) for p in prompts]
-
-
-def bfloat16_float32(array: np.ndarray) -> np.ndarray:
-    """``array`` rounded to bfloat16, as float32 (the values a bfloat16 buffer holds)."""
-    return (bfloat16_bits(array).astype(np.uint32) << 16).view(np.float32)
 
 
 #: Rows no sequence has written: copies must leave them alone.

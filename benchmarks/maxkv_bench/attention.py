@@ -34,7 +34,7 @@ from maxkv import (
 )
 from maxkv import ops as kvops
 from maxkv.cache.spec import CacheSpec
-from maxkv.models.decoder import bfloat16_bits, bfloat16_buffer
+from maxkv.models.decoder import bfloat16_bits
 
 from .timing import interleaved_median_seconds
 
@@ -105,11 +105,14 @@ def query_types(shape: AttentionShape, device: DeviceRef) -> list[TensorType]:
 
 def host_buffer(array: np.ndarray, dtype: DType) -> Buffer:
     """float32 ``array`` as a host buffer of ``dtype`` (float32 or bfloat16)."""
-    if dtype == DType.bfloat16:
-        return bfloat16_buffer(array)
-    if dtype != DType.float32:
-        raise ValueError(f"the attention benchmark runs float32 or bfloat16, not {dtype}")
-    return Buffer.from_numpy(np.ascontiguousarray(array, np.float32))
+    return stored_buffer(stored(array, dtype), dtype)
+
+
+def stored_buffer(rows: np.ndarray, dtype: DType) -> Buffer:
+    """A host buffer of ``dtype`` over ``rows`` as :func:`stored` gives them (no copy
+    where they are contiguous)."""
+    buffer = Buffer.from_numpy(np.ascontiguousarray(rows))
+    return buffer.view(DType.bfloat16, list(rows.shape)) if dtype == DType.bfloat16 else buffer
 
 
 def host_float32(buffer: Buffer) -> np.ndarray:
@@ -147,9 +150,7 @@ def write_rows(target: Buffer, writes: list[tuple[int, np.ndarray]], device: Dev
     flat = target.view(target.dtype, [math.prod(lead), heads, width])
     sources = []
     for row, rows in writes:
-        source = Buffer.from_numpy(np.ascontiguousarray(rows))
-        if target.dtype == DType.bfloat16:
-            source = source.view(DType.bfloat16, list(rows.shape))
+        source = stored_buffer(rows, target.dtype)
         flat[row : row + len(rows), :, :].inplace_copy_from(source)
         sources.append(source)
     device.synchronize()

@@ -171,15 +171,12 @@ def _check_copy_shapes(quantized: tuple[TensorValue, TensorValue], n: int, k: in
     """Raises ValueError unless ``(q, sm)`` is a packed quantized ``[n, k]`` matrix
     in one of :data:`~maxkv.cpu.quantized.PACKED_FORMATS`."""
     q, sm = quantized
-    tiles = -(-n // PACKED_TILE)
     q_shape = tuple(static_dim("q", q, i) for i in range(3))
     sm_shape = tuple(static_dim("sm", sm, i) for i in range(4))
     fitting = [f for f in PACKED_FORMATS if k % (SUPER if f.factored else f.block) == 0]
-    if k == 0 or not any(
-        (q_shape, sm_shape) == (f.q_shape(tiles, k), f.sm_shape(tiles, k)) for f in fitting
-    ):
+    if k == 0 or not any((q_shape, sm_shape) == f.shapes(n, k) for f in fitting):
         expected = " or ".join(
-            f"{list(f.q_shape(tiles, k))} / {list(f.sm_shape(tiles, k))}" for f in fitting
+            f"{list(f.shapes(n, k)[0])} / {list(f.shapes(n, k)[1])}" for f in fitting
         )
         raise ValueError(
             f"q {list(q_shape)} / sm {list(sm_shape)} are not a packed quantized "

@@ -124,6 +124,12 @@ class PackedFormat(NamedTuple):
             return (tiles, k // SUPER, self.slots, TILE)
         return (tiles, k // self.block, 2, TILE)
 
+    def shapes(self, n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+        """``(q shape, sm shape)`` of an ``[n, k]`` matrix's copy (``n`` rows in
+        tiles of 64, the last padded)."""
+        tiles = -(-n // TILE)
+        return self.q_shape(tiles, k), self.sm_shape(tiles, k)
+
     @staticmethod
     def of(q_shape: Sequence[int], sm_shape: Sequence[int]) -> PackedFormat:
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
@@ -365,9 +371,9 @@ class TileBuilder:
 
     def __init__(self, fmt: PackedFormat, n: int, k: int) -> None:
         self.format, self.n, self.k = fmt, n, k
-        tiles = -(-n // TILE)
-        self.q = aligned_zeros(fmt.q_shape(tiles, k), np.uint8)
-        self.sm = aligned_zeros(fmt.sm_shape(tiles, k), np.float32)
+        q_shape, sm_shape = fmt.shapes(n, k)
+        self.q = aligned_zeros(q_shape, np.uint8)
+        self.sm = aligned_zeros(sm_shape, np.float32)
 
     def write(self, row: int, part: BlockQuantized) -> None:
         """Lays out ``part``'s rows as rows ``row ..`` of the matrix.

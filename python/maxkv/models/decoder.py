@@ -34,7 +34,7 @@ from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
 from ..cpu.features import usable_cores
-from ..cpu.quantized import TILE, BlockQuantized, PackedFormat, TileBuilder, stacked_format
+from ..cpu.quantized import TILE, BlockQuantized, PackedFormat, TileBuilder
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
@@ -273,7 +273,7 @@ def held_formats(
 ) -> dict[str, PackedFormat]:
     """:func:`held_pieces`' stems and the format each is laid out in."""
     return {
-        stem: stacked_format([blocks.format(part) for part in parts])
+        stem: blocks.stacked(parts)[0]
         for stem, parts in held_pieces(config, blocks, greedy_head=greedy_head).items()
     }
 
@@ -321,9 +321,8 @@ def _held_tiles(
     once it is laid out."""
 
     def lay_out(parts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, PackedFormat]:
-        fmt = stacked_format([blocks.format(part) for part in parts])
-        k = blocks.shape(parts[0])[1]
-        builder = TileBuilder(fmt, sum(blocks.shape(p)[0] for p in parts), k)
+        fmt, n, k = blocks.stacked(parts)
+        builder = TileBuilder(fmt, n, k)
         row, step = 0, max(PACK_WEIGHTS // k // TILE, 1) * TILE
         for part in parts:
             n = blocks.shape(part)[0]
@@ -425,9 +424,7 @@ def graph_weight_shapes(
         else:
             whole = matrix_of(stem)
             n, k = dict(pieces(c, whole, formats))[stem], in_features[whole]
-        tiles = -(-n // kvops.PACKED_TILE)
-        shapes[f"{stem}.q"] = fmt.q_shape(tiles, k)
-        shapes[f"{stem}.sm"] = fmt.sm_shape(tiles, k)
+        shapes[f"{stem}.q"], shapes[f"{stem}.sm"] = fmt.shapes(n, k)
     if greedy_head:
         tiles = -(-c.vocab_size // kvops.PACKED_TILE)
         layout = kvops.greedy_head_layout() or "vnni"

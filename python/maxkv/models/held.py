@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..cpu.quantized import GGUF_FORMATS, BlockQuantized, PackedFormat, from_gguf_blocks
+from ..cpu.quantized import (
+    GGUF_FORMATS,
+    BlockQuantized,
+    PackedFormat,
+    from_gguf_blocks,
+    stacked_format,
+)
 from .config import DecoderConfig, ModelLoadError, check_weights
 
 
@@ -97,6 +103,12 @@ class FileBlocks(Mapping[str, BlockQuantized]):
     def format(self, name: str) -> PackedFormat:
         """The kernel format matrix ``name`` is read in."""
         return GGUF_FORMATS[self._tensors[name].type_name]
+
+    def stacked(self, names: Sequence[str]) -> tuple[PackedFormat, int, int]:
+        """``(format, N, K)`` of matrices ``names`` stacked by rows: the smallest
+        format holding them all (:func:`~maxkv.cpu.quantized.stacked_format`)."""
+        fmt = stacked_format([self.format(name) for name in names])
+        return fmt, sum(self.shape(name)[0] for name in names), self.shape(names[0])[1]
 
     def read(self, name: str, start: int, stop: int) -> BlockQuantized:
         """Rows ``start:stop`` of matrix ``name``.

@@ -38,7 +38,7 @@ import numpy as np
 from .. import settings
 from ..cachedir import cache_dir
 from ..cpu.features import usable_cores
-from ..cpu.quantized import TILE, PackedFormat, stacked_format
+from ..cpu.quantized import PackedFormat
 from .held import FileBlocks
 
 #: Tiles of one graph weight: ``(q, sm, format)``.
@@ -107,10 +107,8 @@ def _expected_shapes(
     """Graph weight -> ``(format, q shape, sm shape)`` the layout gives it."""
     out: dict[str, Expected] = {}
     for stem, parts in matrices.items():
-        fmt = stacked_format([blocks.format(part) for part in parts])
-        n, k = sum(blocks.shape(p)[0] for p in parts), blocks.shape(parts[0])[1]
-        tiles = -(-n // TILE)
-        out[stem] = (fmt, fmt.q_shape(tiles, k), fmt.sm_shape(tiles, k))
+        fmt, n, k = blocks.stacked(parts)
+        out[stem] = (fmt, *fmt.shapes(n, k))
     return out
 
 
