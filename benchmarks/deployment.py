@@ -1,10 +1,10 @@
 """Deployment sizes on this CPU: load, memory and batch-1 decode of Q4_K_M fixtures.
 
-    python benchmarks/deployment.py llama-3.2-3b llama-3.1-8b \\
+    python benchmarks/deployment.py llama-3.2-3b llama-3.1-8b [--mix q4_k_m|bf16] \\
         [--llama-bench /tmp/llama-build/bin/llama-bench] [--json FILE.json]
 
-For each shape of ``benchmarks/deployment_gguf.py`` (the file is written first
-if missing), in a fresh process each time, one at a time:
+For each shape of ``benchmarks/deployment_gguf.py`` in its ``--mix`` (the
+file is written first if missing), in a fresh process each time, one at a time:
 
 - maxkv: ``open_model`` then ``DecoderModel`` (greedy tokens, a one-sequence
   contiguous cache of 512 tokens), run three times: the first compiles the
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deployment_gguf import SHAPES, write
+from deployment_gguf import MIXES, SHAPES, fixture_path, write
 
 PROMPT = "Write a short paragraph about the history of the printing press."
 
@@ -131,9 +131,10 @@ def measure_llama_cpp(binary: Path, path: Path, new_tokens: int) -> dict[str, An
 
 
 def _child(
-    shape: str, new_tokens: int, repeats: int, decode: bool, packed_cache: bool = True
+    shape: str, mix: str, new_tokens: int, repeats: int, decode: bool, packed_cache: bool = True
 ) -> dict[str, Any]:
     command = [sys.executable, __file__, shape, "--child", "--new-tokens", str(new_tokens)]
+    command += ["--mix", mix]
     command += ["--repeats", str(repeats)] + ([] if decode else ["--no-decode"])
     env = os.environ | {"MAXKV_PACKED_CACHE": "1" if packed_cache else "0"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -146,6 +147,7 @@ def _child(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shapes", nargs="+", help=f"of: {', '.join(SHAPES)}")
+    parser.add_argument("--mix", choices=MIXES, default="q4_k_m", help="the fixtures' tensor types")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-bench", type=Path)
@@ -160,8 +162,8 @@ def main() -> None:
     for shape in args.shapes:
         if shape not in SHAPES:
             parser.error(f"unknown shape {shape}; choose from {', '.join(SHAPES)}")
-        path = folder / f"{shape}.q4_k_m.gguf"
-        paths[shape] = path if path.is_file() or args.child else write(shape, folder)
+        path = fixture_path(shape, folder, args.mix)
+        paths[shape] = path if path.is_file() or args.child else write(shape, folder, mix=args.mix)
     if args.child:
         (shape,) = args.shapes
         row = measure_maxkv(paths[shape], args.new_tokens, args.repeats, not args.no_decode)
@@ -181,13 +183,15 @@ def main() -> None:
         row: dict[str, Any] = {"shape": shape, "file": path.name}
         if args.llama_bench:
             row["llama_cpp"] = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
-        first = _child(shape, args.new_tokens, args.repeats, decode=False)
-        packing = _child(shape, args.new_tokens, args.repeats, decode=False, packed_cache=False)
+        first = _child(shape, args.mix, args.new_tokens, args.repeats, decode=False)
+        packing = _child(
+            shape, args.mix, args.new_tokens, args.repeats, decode=False, packed_cache=False
+        )
         row["maxkv"] = {
             "load_and_compile_s": first["load_s"],
             "load_packing_s": packing["load_s"],
             "load_packing_peak_rss_mib": packing["peak_rss_mib"],
-        } | _child(shape, args.new_tokens, args.repeats, decode=True)
+        } | _child(shape, args.mix, args.new_tokens, args.repeats, decode=True)
         if "llama_cpp" in row:
             row["decode_vs_llama_cpp"] = round(
                 row["maxkv"]["decode_tokens_per_s"] / row["llama_cpp"]["decode_tokens_per_s"], 3

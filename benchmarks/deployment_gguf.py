@@ -1,6 +1,6 @@
 """GGUF files at the sizes people deploy: random blocks in llama.cpp's Q4_K_M mix.
 
-    python benchmarks/deployment_gguf.py llama-3.2-3b [--out DIR]
+    python benchmarks/deployment_gguf.py llama-3.2-3b [--out DIR] [--mix q4_k_m|bf16]
     python benchmarks/deployment_gguf.py --list
 
 Each file has the shapes of a real model (:data:`SHAPES`) and the tensor types
@@ -12,10 +12,13 @@ for an untied embedding; float32 norms and biases.  Where a row is not a
 multiple of 256 weights the K-quants fall back as llama.cpp's do (Q4_K to
 Q5_0, Q6_K to Q8_0).  The blocks are random, their float16 scales set so that
 each weight is about ``N(0, 1 / K)``: activations stay finite, the text is
-nonsense.  The tokenizer and chat template are a real model's, taken from a
-file maxkv already fetches (SmolLM2's for Llama and Qwen shapes, its list
-padded with unreachable ``<|reserved_i|>`` tokens to the shape's vocabulary;
-Gemma 3 270M's, whose vocabulary Gemma 3 1B shares).
+nonsense.  ``--mix bf16`` writes every matrix as BF16 instead (a checkpoint
+converted without quantizing, as ``convert_hf_to_gguf.py --outtype bf16``
+gives it): random ``N(0, 1 / K)`` values.  The tokenizer and chat template
+are a real model's, taken from a file maxkv already fetches (SmolLM2's for
+Llama and Qwen shapes, its list padded with unreachable ``<|reserved_i|>``
+tokens to the shape's vocabulary; Gemma 3 270M's, whose vocabulary Gemma 3
+1B shares).
 
 These files carry the memory and speed measurements at deployment sizes
 (docs/benchmarks.md); exactness is checked on the real small models.  Writing
@@ -74,6 +77,8 @@ _TYPES = {
 }
 #: llama.cpp's fallbacks for rows that are not a multiple of 256.
 _FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+#: The tensor mixes :func:`write` writes: llama.cpp's Q4_K_M, or every matrix BF16.
+MIXES = ("q4_k_m", "bf16")
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -81,7 +86,7 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+def tensors(shape: Shape, mix: str = "q4_k_m") -> list[tuple[str, tuple[int, ...], str]]:
     """``(GGUF name, (rows, K) or (n,), GGML type)`` of every tensor, in file order."""
     s = shape
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -116,7 +121,23 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     out.append(("output_norm.weight", (s.hidden,), "F32"))
     if not s.tied:
         out.append(("output.weight", (s.vocab, s.hidden), "Q6_K"))
+    if mix == "bf16":
+        return [(n, dims, t if t == "F32" else "BF16") for n, dims, t in out]
     return [(n, dims, _FALLBACK.get(t, t) if dims[-1] % 256 else t) for n, dims, t in out]
+
+
+def tensor_bytes(dims: tuple[int, ...], kind: str) -> int:
+    """The bytes of a tensor of ``dims`` in GGML type ``kind``."""
+    if kind in ("F32", "BF16"):
+        return (4 if kind == "F32" else 2) * int(np.prod(dims))
+    return dims[0] * dims[1] // _TYPES[kind][0] * _TYPES[kind][1]
+
+
+def random_bf16(rows: int, k: int, seed: int) -> np.ndarray:
+    """uint8 ``[rows, 2 k]``: random bfloat16 values of about ``N(0, 1 / k)``."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((rows, k), np.float32) / np.float32(np.sqrt(k))).view(np.uint32)
+    return (values >> 16).astype("<u2").view(np.uint8)
 
 
 def random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -166,18 +187,26 @@ def _copy_tokenizer(writer: Any, source: Path, vocab: int) -> None:
             writer.add_key_value(key, value, field.types[0])
 
 
-def write(shape_name: str, out: Path, seed: int = 0) -> Path:
-    """Writes ``<out>/<shape_name>.q4_k_m.gguf`` and returns its path."""
+def fixture_path(shape_name: str, out: Path, mix: str = "q4_k_m") -> Path:
+    """Where :func:`write` puts the file: ``<out>/<shape_name>.<mix>.gguf``."""
+    return out / f"{shape_name}.{mix}.gguf"
+
+
+def write(shape_name: str, out: Path, seed: int = 0, mix: str = "q4_k_m") -> Path:
+    """Writes :func:`fixture_path`'s file and returns its path."""
     import gguf
     from tqdm import tqdm
 
     shape = SHAPES[shape_name]
-    path = out / f"{shape_name}.q4_k_m.gguf"
+    path = fixture_path(shape_name, out, mix)
     out.mkdir(parents=True, exist_ok=True)
     arch = shape.architecture
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"{shape_name} shapes, random Q4_K_M blocks (maxkv benchmark fixture)")
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    writer.add_name(f"{shape_name} shapes, random {mix.upper()} tensors (maxkv benchmark fixture)")
+    file_type = (
+        gguf.LlamaFileType.MOSTLY_BF16 if mix == "bf16" else gguf.LlamaFileType.MOSTLY_Q4_K_M
+    )
+    writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
@@ -194,10 +223,19 @@ def write(shape_name: str, out: Path, seed: int = 0) -> Path:
     if arch == "gemma3":
         writer.add_sliding_window(512)
     _copy_tokenizer(writer, _tokenizer_source(shape), shape.vocab)
-    layout = tensors(shape)
+    layout = tensors(shape, mix)
     for name, dims, kind in layout:
         if kind == "F32":
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        elif kind == "BF16":
+            byte_shape = (dims[0], 2 * dims[1])
+            writer.add_tensor_info(
+                name,
+                byte_shape,
+                np.dtype(np.uint8),
+                tensor_bytes(dims, kind),
+                raw_dtype=gguf.GGMLQuantizationType.BF16,
+            )
         else:
             per_block, size, _, _ = _TYPES[kind]
             qtype = gguf.GGMLQuantizationType[kind]
@@ -212,6 +250,14 @@ def write(shape_name: str, out: Path, seed: int = 0) -> Path:
             # Norm weights 1 (Gemma's converter stores 1 + w: w = 0), biases 0.
             value = 0.0 if name.endswith(".bias") else 1.0
             writer.write_tensor_data(np.full(dims, value, np.float32))
+        elif kind == "BF16":  # made a million weights at a time (no float32 copy)
+            data = np.empty((dims[0], 2 * dims[1]), np.uint8)
+            step = max(1, (1 << 20) // dims[1])
+            for start in range(0, dims[0], step):
+                rows = min(step, dims[0] - start)
+                seed_rows = zlib.crc32(f"{seed}:{name}:{start}".encode())
+                data[start : start + rows] = random_bf16(rows, dims[1], seed_rows)
+            writer.write_tensor_data(data)
         else:
             writer.write_tensor_data(
                 random_blocks(kind, dims[0], dims[1], zlib.crc32(f"{seed}:{name}".encode()))
@@ -227,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, default=None, help="folder (default: maxkv's cache, deployment/)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", choices=MIXES, default="q4_k_m", help="the tensor types")
     parser.add_argument("--list", action="store_true", help="list the shapes and file sizes")
     args = parser.parse_args(argv)
     unknown = [name for name in args.shapes if name not in SHAPES]
@@ -234,19 +281,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown shape {unknown[0]}; choose from {', '.join(SHAPES)}")
     if args.list or not args.shapes:
         for name, shape in SHAPES.items():
-            size = sum(
-                4 * dims[0]
-                if kind == "F32"
-                else dims[0] * dims[1] // _TYPES[kind][0] * _TYPES[kind][1]
-                for _, dims, kind in tensors(shape)
-            )
+            size = sum(tensor_bytes(dims, kind) for _, dims, kind in tensors(shape, args.mix))
             print(f"{name:14s} {shape.architecture:7s} {size / 1e9:5.2f} GB")
         return
     from maxkv.cachedir import cache_dir
 
     out = args.out or cache_dir() / "deployment"
     for name in args.shapes:
-        print(write(name, out, args.seed))
+        print(write(name, out, args.seed, args.mix))
 
 
 if __name__ == "__main__":

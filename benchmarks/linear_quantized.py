@@ -1,13 +1,15 @@
 """``linear_packed`` over float32 weights against its exact quantized copies alone, by rows.
 
     python benchmarks/linear_quantized.py --json benchmarks/results/linear_quantized_<isa>.json
+    python benchmarks/linear_quantized.py --formats bfloat16,float16 --shapes llama3b.gate_up
 
 For the matrices of a decode step of two real models (SmolLM2-135M's fused
 gate/up ``[3072, 576]`` and down ``[576, 1536]``, Gemma 3 270M's ``[4096,
 640]`` and ``[640, 2048]``), each copy format the kernel reads
 (:class:`maxkv.cpu.quantized.PackedFormat`: 4-bit integers per 32 weights,
 8-bit ones per 32 or per 16 with float32 scales; 4-bit per 32 and 6-bit per
-16 with factored scales, GGUF's K-quants), held alone as a model holds a GGUF's matrices
+16 with factored scales, GGUF's K-quants; a checkpoint's bfloat16 or float16
+values), held alone as a model holds a GGUF's matrices
 (past 8 rows dequantized in panels), is timed against the float32 weights at
 1 to 64 rows, interleaved, medians of ``--repeats``; results are checked
 equal bit for bit first.  ``--shapes llama3b.gate_up,llama3b.down`` adds
@@ -36,7 +38,7 @@ from maxkv_bench.report import machine_info
 from maxkv_bench.timing import interleaved_median_seconds
 
 from maxkv import ops as kvops
-from maxkv.cpu.quantized import PACKED_FORMATS, BlockQuantized, PackedFormat
+from maxkv.cpu.quantized import PACKED_FORMATS, BlockQuantized, Floats16, HeldMatrix, PackedFormat
 from maxkv.kernels import kernels_path
 
 SHAPES = {
@@ -52,9 +54,19 @@ FORMATS = PACKED_FORMATS
 ROWS = (1, 4, 8, 16, 32, 64)
 
 
-def random_copy(rng: np.random.Generator, n: int, k: int, fmt: PackedFormat) -> BlockQuantized:
+def format_name(fmt: PackedFormat) -> str:
+    """``4_32``, ``6_16k`` (factored), ``bfloat16``: a format as ``--formats`` names it."""
+    return fmt.floating or f"{fmt.bits}_{fmt.block}{'k' if fmt.factored else ''}"
+
+
+def random_copy(rng: np.random.Generator, n: int, k: int, fmt: PackedFormat) -> HeldMatrix:
     """float16 scales and offsets (factored: float16 factors, int8 multipliers): every
-    product exact, as in a GGUF file."""
+    product exact, as in a GGUF file; 16-bit floats: normal values rounded to the type."""
+    if fmt.floating:
+        values = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        if fmt.floating == "float16":
+            return Floats16.of(values.astype(np.float16).astype(np.float32), "float16")
+        return Floats16.of((values.view(np.uint32) & 0xFFFF0000).view(np.float32), "bfloat16")
     q = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
     if fmt.factored:
         d = rng.uniform(0.0001, 0.001, (n, k // 256, 2)).astype(np.float16).astype(np.float32)
@@ -91,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {','.join(SHAPES)}")
+    names = [format_name(f) for f in FORMATS]
+    parser.add_argument("--formats", default=",".join(names), help=f"of {','.join(names)}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    formats = [f for f in FORMATS if format_name(f) in args.formats.split(",")]
     session = InferenceSession(devices=[CPU()])
     bandwidth = read_bandwidth_gbps(session, CPU(), os.cpu_count() or 1)
     print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
@@ -100,15 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     rows_out = []
     for shape_name in args.shapes.split(","):
         n, k = SHAPES[shape_name]
-        for fmt in FORMATS:
+        for fmt in formats:
             if fmt.factored and k % 256:
                 continue  # factored scales are per 256 weights (GGUF's K-quants)
             copy = random_copy(rng, n, k, fmt)
             weight = copy.dequantize()
             q, sm = copy.pack()
             w = kvops.pack_linear_weight(weight)
-            kind = "k" if fmt.factored else ""
-            tag = f"{shape_name.replace('.', '_')}_{fmt.bits}_{fmt.block}{kind}"
+            tag = f"{shape_name.replace('.', '_')}_{format_name(fmt)}"
             f32 = build(session, f"f32_{tag}", n, k, {"w": w})
             quant = build(session, f"q_{tag}", n, k, {"q": q, "sm": sm})
             f32_bytes, q_bytes = w.nbytes, q.nbytes + sm.nbytes
@@ -125,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = {
                     "matrix": shape_name,
                     "shape": [n, k],
-                    "format": {"bits": fmt.bits, "block": fmt.block, "factored": fmt.factored},
+                    "format": {
+                        "bits": fmt.bits,
+                        "block": fmt.block,
+                        "factored": fmt.factored,
+                        "floating": fmt.floating,
+                    },
                     "rows": m,
                     "float32_us": times["f32"] * 1e6,
                     "quantized_us": times["q"] * 1e6,
@@ -137,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 rows_out.append(row)
                 print(
-                    f"{shape_name:16} {fmt.bits}-bit/{fmt.block:2} M={m:3}: "
+                    f"{shape_name:16} {format_name(fmt):8} M={m:3}: "
                     f"f32 {row['float32_us']:8.1f} us, quantized {row['quantized_us']:8.1f} us "
                     f"({row['speedup']:.2f}x; {row['quantized_gbps']:.1f} GB/s of "
                     f"{q_bytes / 1e6:.2f} MB)",

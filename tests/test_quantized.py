@@ -27,6 +27,7 @@ from maxkv.cpu.quantized import (
     GGUF_TYPES,
     PACKED_FORMATS,
     BlockQuantized,
+    Floats16,
     PackedFormat,
     TileBuilder,
     from_gguf_blocks,
@@ -174,19 +175,7 @@ def test_a_gguf_matrix_is_never_held_as_float32(
     whole, piece = loaded.blocks[q_proj], loaded.blocks.read(q_proj, 3, 40)
     np.testing.assert_array_equal(piece.q, whole.q[3:40])
     np.testing.assert_array_equal(piece.scale, whole.scale[3:40])
-
-    def widened(self: BlockQuantized) -> np.ndarray:
-        raise AssertionError("a held matrix was widened to float32")
-
-    monkeypatch.setattr(BlockQuantized, "dequantize", widened)
-    registry = graph_weights(loaded_config, loaded, packed=True)
-    rope = set(loaded_config.ropes())
-    for name, array in registry.items():
-        if array.dtype == np.float32 and name not in rope and not name.endswith(".sm"):
-            assert array.ndim == 1, f"{name} {array.shape} is a float32 matrix"
-    # What the memory check counts, from shapes and formats, is what is held.
-    held_bytes = sum(a.nbytes for a in registry.values())
-    assert graph_weight_bytes(loaded_config, loaded, packed=True) == held_bytes
+    registry = held_registry(loaded_config, loaded, monkeypatch)
     # The embedding's own Q4_K tiles (2 of 64 rows, factored scales) beside the
     # Q6_K head's.
     assert registry["embed_tokens.q"].shape == (2, 256, 32)
@@ -200,11 +189,33 @@ def test_a_gguf_matrix_is_never_held_as_float32(
     )
     tied_config, tied_weights = load_model(tied)
     assert tied_config.tie_word_embeddings
-    registry = graph_weights(tied_config, tied_weights, packed=True)
+    registry = held_registry(tied_config, tied_weights, monkeypatch)
     assert registry["lm_head.q"].shape == (2, 256, 32)  # the Q4_K table
     assert not {"embed_tokens", "embed_tokens.q", "lm_head"} & set(registry)
+
+
+def held_registry(
+    config: Any, loaded: HeldWeights, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, np.ndarray]:
+    """``graph_weights(config, loaded, packed=True)``, failing if a held matrix is
+    widened to float32 on the way or a float32 graph weight is a matrix (only
+    vectors, the RoPE tables and the copies' scales are float32), and checking the
+    bytes the memory check counts (from shapes and formats) are the ones held."""
+
+    def widened(self: object) -> np.ndarray:
+        raise AssertionError("a held matrix was widened to float32")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BlockQuantized, "dequantize", widened)
+        patch.setattr(Floats16, "dequantize", widened)
+        registry = graph_weights(config, loaded, packed=True)
+    rope = set(config.ropes())
+    for name, array in registry.items():
+        if array.dtype == np.float32 and name not in rope and not name.endswith(".sm"):
+            assert array.ndim == 1, f"{name} {array.shape} is a float32 matrix"
     held_bytes = sum(a.nbytes for a in registry.values())
-    assert graph_weight_bytes(tied_config, tied_weights, packed=True) == held_bytes
+    assert graph_weight_bytes(config, loaded, packed=True) == held_bytes
+    return registry
 
 
 @pytest.mark.compile
@@ -215,7 +226,7 @@ def test_a_stack_of_two_formats_is_held_in_pieces_and_gives_transformers_logits(
     ``wqkv`` is held as two pieces in their own formats (4-bit Q and K rows, not
     widened to V's 6 bits), read by two matmuls; prompt steps (panels) and one-row
     steps give the logits transformers computes from the same file."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from max.driver import CPU
 
     from maxkv import ContinuousBatchingKVCacheManager
@@ -246,17 +257,28 @@ def test_a_stack_of_two_formats_is_held_in_pieces_and_gives_transformers_logits(
         a.nbytes for a in registry.values()
     )
 
-    hf: Any = hf_from_pretrained(path)
     manager = ContinuousBatchingKVCacheManager(
         cache_params(loaded_config), 1, 64, loaded_config.num_hidden_layers, [CPU()], session
     )
     model = DecoderModel(loaded_config, loaded, manager, session, output="logits")
     assert set(model.quant_formats) == set(formats)
-    rng = np.random.default_rng(6)
+    # A prompt (more rows than the one-row path), then decode.
+    assert_steps_give_transformers_logits(model, manager, hf_from_pretrained(path), (20, 1, 1))
+
+
+def assert_steps_give_transformers_logits(
+    model: Any, manager: Any, hf: Any, lengths: tuple[int, ...], seed: int = 6
+) -> None:
+    """Feeds one sequence random chunks of ``lengths`` tokens through ``model``
+    (``output="logits"``, over ``manager``) and checks each step's last logits
+    against transformers' float32 model ``hf`` on the whole history."""
+    import torch
+
+    rng = np.random.default_rng(seed)
     (seq,) = manager.claim(1)
     history: list[int] = []
-    for length in (20, 1, 1):  # a prompt (more rows than the one-row path), then decode
-        chunk = rng.integers(3, loaded_config.vocab_size, length).tolist()
+    for length in lengths:
+        chunk = rng.integers(3, model.config.vocab_size, length).tolist()
         (inputs,) = manager.fetch([seq], active_lengths=[length])
         offsets = np.array([0, length], np.uint32)
         tokens = np.asarray(chunk, np.int64)
@@ -393,13 +415,36 @@ def _check_stacking(
 
 
 @pytest.mark.unit
-def test_other_types_are_left_out(tmp_path: Path) -> None:
+def test_16_bit_matrices_are_held_and_float32_ones_left_out(tmp_path: Path) -> None:
+    """A GGUF's F16 and BF16 matrices are held as their 16-bit values (Q and K rows
+    in transformers' order: llama.cpp's permutation undone), each the value the
+    writer rounded the float32 weight to; an F32 matrix stays a dense array."""
+    from .test_bfloat16 import bfloat16_rounded
+
     weights = hf_weights(TINY, seed=6)
     path = tmp_path / "tiny-mixed.gguf"
-    write_llama_gguf(path, weights, matrix_type="Q8_0", overrides={"blk.0.ffn_down.weight": "F16"})
+    overrides = {
+        "blk.0.ffn_down.weight": "F32",
+        "blk.0.attn_q.weight": "F16",
+        "blk.1.attn_k.weight": "BF16",
+    }
+    write_llama_gguf(path, weights, matrix_type="Q8_0", overrides=overrides)
     quantized = read_gguf_quantized(path)
     assert "model.layers.0.mlp.down_proj.weight" not in quantized
     assert "model.layers.1.mlp.down_proj.weight" in quantized
+    q_proj, k_proj = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    )
+    assert quantized.format(q_proj) == PackedFormat(16, 1, False, "float16")
+    assert quantized.format(k_proj) == PackedFormat(16, 1, False, "bfloat16")
+    want = weights[q_proj].astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(quantized[q_proj].dequantize(), want)
+    np.testing.assert_array_equal(quantized[k_proj].dequantize(), bfloat16_rounded(weights[k_proj]))
+    _, loaded = load_model(path)
+    assert isinstance(loaded, HeldWeights)
+    assert {q_proj, k_proj} <= set(loaded.blocks)
+    assert loaded.dense["model.layers.0.mlp.down_proj.weight"].ndim == 2
 
 
 @pytest.mark.unit
@@ -481,12 +526,22 @@ def test_every_smollm2_matrix_gets_an_exact_copy(smollm2: LoadedModel) -> None:
 
 def _random_copy(
     rng: np.random.Generator, n: int, k: int, fmt: PackedFormat | int, block: int = 32
-) -> BlockQuantized:
+) -> Any:
     """A copy in ``fmt`` (or plain ``bits`` in ``block``s).  Scales and offsets are
     float16 values, factored ones float16 factors times int8 multipliers of
-    either sign, so every ``q * scale`` is exact in float32."""
+    either sign, so every ``q * scale`` is exact in float32.  16-bit floats:
+    normal values of either sign, rounded to the type by NumPy (float16's first
+    columns subnormal, which float32 holds as normal numbers)."""
     if isinstance(fmt, int):
         fmt = PackedFormat(fmt, block)
+    if fmt.floating:
+        values = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        if fmt.floating == "float16":
+            values[:, :8] = rng.uniform(-3e-5, 3e-5, (n, 8))  # below float16's 6.1e-5
+            values = values.astype(np.float16).astype(np.float32)
+        else:
+            values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        return Floats16.of(values, "float16" if fmt.floating == "float16" else "bfloat16")
     q = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
     if fmt.factored:
         d = rng.uniform(0.0001, 0.001, (n, k // 256, 2)) * rng.choice([-1, 1], (n, k // 256, 2))
@@ -511,7 +566,7 @@ def _k(fmt: PackedFormat) -> int:
 
 
 def _prefix(fmt: PackedFormat) -> str:
-    return f"f{fmt.bits}_{fmt.block}{'k' if fmt.factored else ''}_"
+    return f"f{fmt.bits}_{fmt.block}{'k' if fmt.factored else ''}{fmt.floating}_"
 
 
 #: How a graph holds a matmul's weight: float32 alone, float32 with the
@@ -626,7 +681,7 @@ def linear_case(session: InferenceSession, kernels: Path) -> Callable[[int], _Li
 @pytest.mark.parametrize(
     "fmt",
     PACKED_FORMATS,
-    ids=lambda f: f"{f.bits}bit_block{f.block}{'_factored' if f.factored else ''}",
+    ids=lambda f: f.floating or f"{f.bits}bit_block{f.block}{'_factored' if f.factored else ''}",
 )
 def test_quantized_matmul_is_bit_identical_to_float32(
     linear_case: Callable[[int], _LinearCase], fmt: PackedFormat, block_cols: int

@@ -30,6 +30,11 @@ results are bit-identical to the float32 path, which larger steps use (there
 the matmul is compute-bound and dequantizing again per row block costs more
 than it saves).
 
+A copy may also hold 16-bit floats (`HALF`: a bfloat16 or float16
+checkpoint's values, no scales), each widened to float32 exactly as it is
+read, so a checkpoint's matrices are multiplied as its own values, two bytes
+a weight.
+
 `maxkv.linear_quantized` takes the quantized copy alone, with no float32
 tiles at all (a model held as its file stores it): few rows read it as
 above; more rows dequantize `PANEL_K` weight rows of a column block at a
@@ -47,7 +52,7 @@ from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.atomic import Atomic
 from std.math import exp
-from std.memory import alloc
+from std.memory import alloc, bitcast
 from std.sys.intrinsics import PrefetchOptions, prefetch
 from std.utils import StaticTuple
 
@@ -62,6 +67,8 @@ comptime QBLOCK = 32
 """Weights per quantization block along K (most GGML types; Q6_K's are `QBLOCK_SMALL`)."""
 comptime QBLOCK_SMALL = 16
 """The smaller block along K, read with 8-bit integers only."""
+comptime HALF = 16
+"""`BITS` of a copy of 16-bit floats (bfloat16, or float16 with `F16`): no scales."""
 comptime QUANT_MAX_ROWS = 8
 """Up to this many rows `maxkv.linear_packed_q` reads the quantized copy."""
 comptime PREFETCH_SPAN = 6
@@ -122,6 +129,18 @@ def block_rows[C: Int]() -> Int:
 
 
 @always_inline
+def _half[C: Int, C0: Int, F16: Bool](q: U8Ptr, k: Int) -> SIMD[DType.float32, C]:
+    """Columns `C0 .. C0 + C` of row `k` of a tile of 16-bit floats, widened to
+    float32 (exact): column `j` in bytes `2 j, 2 j + 1` (little-endian), a
+    bfloat16 (float32's top half) or, with `F16`, a float16."""
+    var at = q.unsafe_offset(k * TILE * 2 + 2 * C0)
+    comptime if F16:
+        return at.unsafe_bitcast[Float16]().unsafe_load[width=C](0).cast[DType.float32]()
+    var bits = at.unsafe_bitcast[UInt16]().unsafe_load[width=C](0).cast[DType.uint32]() << 16
+    return bitcast[DType.float32, C](bits)
+
+
+@always_inline
 def _dequant[BITS: Int, C: Int, C0: Int](
     q: U8Ptr, k: Int, scale: SIMD[DType.float32, C], offset: SIMD[DType.float32, C]
 ) -> SIMD[DType.float32, C]:
@@ -172,7 +191,10 @@ def _fma_k[R: Int, C: Int](
 
 
 @always_inline
-def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLOCK, FACT: Bool = False](
+def _block[
+    R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLOCK, FACT: Bool = False,
+    F16: Bool = False,
+](
     x: Ptr,
     w: Ptr,
     q: U8Ptr,
@@ -195,7 +217,8 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
 
     `BITS == FLOAT32` reads `w`, this block's `[K, C]` float32 weights; 4, 6
     or 8 read the quantized tile `q` with its scales and offsets `sm` per `QB`
-    rows (factored with `FACT`, see `_scales`), dequantized row by row in registers to the same float32 values.  Either
+    rows (factored with `FACT`, see `_scales`), dequantized row by row in registers to the same float32 values;
+    `HALF` reads `q`'s 16-bit floats (`_half`), widened to the same values.  Either
     way each output is `fma(x[m, k], w[k], acc)` for `k = 0 .. K - 1` in
     order, so the block shape, the layout and the weight copy never change
     a result's bits.
@@ -230,6 +253,9 @@ def _block[R: Int, BITS: Int, C: Int, C0: Int, ADD: Bool = False, QB: Int = QBLO
             k0 += PREFETCH_SPAN
         for k in range(k0, K):
             _fma_k[R, C](rows, k, w.unsafe_load[width=C](k * C), acc)
+    elif BITS == HALF:
+        for k in range(K):
+            _fma_k[R, C](rows, k, _half[C, C0, F16](q, k), acc)
     else:
         for kb in range(K // QB):
             var so = _scales[C, QB, FACT](sm, kb, C0)
@@ -313,7 +339,7 @@ def _panel_block[R: Int, C: Int, C0: Int, ADD: Bool](
 
 
 @always_inline
-def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
+def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool, F16: Bool](
     x: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, residual: Ptr, panel: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows from a quantized tile
@@ -328,11 +354,15 @@ def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bo
     var k0 = 0
     while k0 < K:
         var kc = min(PANEL_K, K - k0)
-        for kb in range(k0 // QB, (k0 + kc) // QB):
-            var so = _scales[C, QB, FACT](sm, kb, C0)
-            for kk in range(QB):
-                var k = kb * QB + kk
-                panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, so[0], so[1]))
+        comptime if BITS == HALF:
+            for k in range(k0, k0 + kc):
+                panel.unsafe_store((k - k0) * C, _half[C, C0, F16](q, k))
+        else:
+            for kb in range(k0 // QB, (k0 + kc) // QB):
+                var so = _scales[C, QB, FACT](sm, kb, C0)
+                for kk in range(QB):
+                    var k = kb * QB + kk
+                    panel.unsafe_store((k - k0) * C, _dequant[BITS, C, C0](q, k, so[0], so[1]))
         var m = 0
         while m < M:
             var rows = _next_rows[R](M - m)
@@ -360,7 +390,7 @@ def _next_rows[R: Int](rest: Int) -> Int:
 
 
 @always_inline
-def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
+def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool, F16: Bool](
     x: Ptr, w: Ptr, q: U8Ptr, sm: Ptr, dst: Ptr, M: Int, K: Int, N: Int, n0: Int, pf: Ptr, residual: Ptr
 ):
     """Columns `n0 + C0 .. n0 + C0 + C` for all `M` rows, a register block at a time.
@@ -392,7 +422,7 @@ def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
         var first = index if step > 0 and index < step else PREFETCH_SPAN
         comptime for r in range(1, R + 1):
             if rows == r:
-                _block[r, BITS, C, C0, ADD, QB, FACT](
+                _block[r, BITS, C, C0, ADD, QB, FACT, F16](
                     x, w, q, sm, dst, m, K, N, n0, pf, first, step, residual
                 )
         m += rows
@@ -400,7 +430,8 @@ def _column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bool](
 
 
 def _linear[
-    BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False, FACT: Bool = False
+    BITS: Int, C: Int, ADD: Bool, QB: Int = QBLOCK, PANEL: Bool = False, FACT: Bool = False,
+    F16: Bool = False,
 ](
     xp: Ptr, wp: Ptr, qp: U8Ptr, smp: Ptr, op: Ptr, M: Int, K: Int, N: Int, tiles: Int, residual: Ptr
 ) raises:
@@ -430,7 +461,7 @@ def _linear[
     var workers = max(1, min(parallelism_level(None), blocks))
     var pairs = (workers + 1) // 2
     var q_tile = K * TILE * BITS // 8
-    var sm_tile = (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
+    var sm_tile = 0 if BITS == HALF else (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
     # One claim counter per pair, each on its own cache line.
     var claimed = alloc[Int64](pairs * CLAIM_STRIDE).unsafe_origin_cast[MutUntrackedOrigin]()
     for p in range(pairs):
@@ -459,11 +490,11 @@ def _linear[
             comptime for b in range(BLOCKS):
                 if i % BLOCKS == b:
                     comptime if PANEL:
-                        _panel_column_block[BITS, C, b * C, ADD, QB, FACT](
+                        _panel_column_block[BITS, C, b * C, ADD, QB, FACT, F16](
                             xp, q, sm, op, M, K, N, t * TILE, residual, panel
                         )
                     else:
-                        _column_block[BITS, C, b * C, ADD, QB, FACT](
+                        _column_block[BITS, C, b * C, ADD, QB, FACT, F16](
                             xp, w, q, sm, op, M, K, N, t * TILE, pf, residual
                         )
         panel.unsafe_free()
@@ -563,6 +594,10 @@ comptime Q4_FACTORED = 3
 comptime Q6_FACTORED = 4
 """6-bit integers, int8 multipliers per `QBLOCK_SMALL` and float32 factors per
 `SUPER_K` (Q6_K, and Q2_K, Q3_K, Q5_K's integers)."""
+comptime BF16_FLOATS = 5
+"""bfloat16 values, no scales (a bfloat16 checkpoint's matrices)."""
+comptime F16_FLOATS = 6
+"""float16 values, no scales (a float16 checkpoint's, or a GGUF's F16 matrices)."""
 
 
 def _dispatch_quantized[block_cols: Int, ADD: Bool, PANEL: Bool](
@@ -579,6 +614,12 @@ def _dispatch_quantized[block_cols: Int, ADD: Bool, PANEL: Bool](
         _linear[8, block_cols, ADD, QBLOCK_SMALL, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
     elif q_kind == Q4_FACTORED:
         _linear[4, block_cols, ADD, QBLOCK, PANEL, True](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_kind == BF16_FLOATS:
+        _linear[HALF, block_cols, ADD, 1, PANEL](xp, wp, qp, smp, op, M, K, N, tiles, residual)
+    elif q_kind == F16_FLOATS:
+        _linear[HALF, block_cols, ADD, 1, PANEL, False, True](
+            xp, wp, qp, smp, op, M, K, N, tiles, residual
+        )
     else:
         _linear[6, block_cols, ADD, QBLOCK_SMALL, PANEL, True](
             xp, wp, qp, smp, op, M, K, N, tiles, residual
@@ -594,13 +635,20 @@ def _check_quantized(
     sm: InputTensor[dtype=DType.float32, rank=4, ...],
 ) raises -> Int:
     """Checks a quantized copy of a packed `[N, K]` weight of `tiles` tiles; returns its
-    format (`Q4` .. `Q6_FACTORED`), told apart by the shapes: `q` `[tiles, K,
+    format (`Q4` .. `F16_FLOATS`), told apart by the shapes: `q` `[tiles, K,
     64 * bits / 8]`; plain, `sm` `[tiles, K / QB, 2, 64]`; factored, `sm`
-    `[tiles, K / SUPER_K, sm_slots, 64]`."""
+    `[tiles, K / SUPER_K, sm_slots, 64]`; 16-bit floats, `q` `[tiles, K, 128]`
+    and `sm` `[tiles, 1, 1, 64]` (bfloat16) or `[tiles, 2, 1, 64]` (float16),
+    never read: its second dimension names the type."""
     var q_width = q.dim_size(2)
     var blocks = sm.dim_size(1)
     var kind = NO_COPY
-    if K > 0 and sm.dim_size(2) == 2:
+    if K > 0 and sm.dim_size(2) == 1:
+        if q_width == 2 * TILE and blocks == 1:
+            kind = BF16_FLOATS
+        elif q_width == 2 * TILE and blocks == 2:
+            kind = F16_FLOATS
+    elif K > 0 and sm.dim_size(2) == 2:
         if q_width == TILE // 2 and blocks * QBLOCK == K:
             kind = Q4
         elif q_width == TILE and blocks * QBLOCK == K:
@@ -794,10 +842,20 @@ struct LinearQuantizedAdd:
 
 
 @always_inline
-def _column_value[BITS: Int, QB: Int, FACT: Bool](q: U8Ptr, sm: Ptr, k: Int, c: Int) -> Float32:
+def _column_value[BITS: Int, QB: Int, FACT: Bool, F16: Bool](
+    q: U8Ptr, sm: Ptr, k: Int, c: Int
+) -> Float32:
     """Row `k`, column `c` of a quantized tile: the value `_dequant` gives there,
-    `fma(q, scale, offset)` with `_scales`' scale and offset, one column at a time."""
+    `fma(q, scale, offset)` with `_scales`' scale and offset (`_half`'s widened
+    16-bit float with `HALF`), one column at a time."""
     comptime ROW = TILE * BITS // 8
+    comptime if BITS == HALF:
+        var at = q.unsafe_offset(k * ROW + 2 * c)
+        comptime if F16:
+            return at.unsafe_bitcast[Float16]().unsafe_load[width=1](0).cast[DType.float32]()
+        return bitcast[DType.float32, 1](
+            at.unsafe_bitcast[UInt16]().unsafe_load[width=1](0).cast[DType.uint32]() << 16
+        )
     var v: UInt8
     comptime if BITS == 8:
         v = q[unsafe_offset=k * ROW + c]
@@ -811,12 +869,12 @@ def _column_value[BITS: Int, QB: Int, FACT: Bool](q: U8Ptr, sm: Ptr, k: Int, c: 
     return Float32(v).fma(so[0][0], so[1][0])
 
 
-def _gather[BITS: Int, QB: Int, FACT: Bool](
+def _gather[BITS: Int, QB: Int, FACT: Bool, F16: Bool = False](
     op: Ptr, tokens: UnsafePointer[Int64, MutUntrackedOrigin], T: Int, K: Int, qp: U8Ptr, smp: Ptr
 ):
     """`op[t] = w[tokens[t]]` (`[T, K]`) from the quantized tiles, a token per worker step."""
     var q_tile = K * TILE * BITS // 8
-    var sm_tile = (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
+    var sm_tile = 0 if BITS == HALF else (K // (SUPER_K if FACT else QB)) * sm_slots[QB, FACT]() * TILE
     var workers = max(1, min(parallelism_level(None), T))
 
     def work(worker: Int) {imm}:
@@ -826,7 +884,7 @@ def _gather[BITS: Int, QB: Int, FACT: Bool](
             var sm = smp.unsafe_offset((row // TILE) * sm_tile)
             var dst = op.unsafe_offset(t * K)
             for k in range(K):
-                dst[unsafe_offset=k] = _column_value[BITS, QB, FACT](q, sm, k, row % TILE)
+                dst[unsafe_offset=k] = _column_value[BITS, QB, FACT, F16](q, sm, k, row % TILE)
 
     sync_parallelize(work, workers)
 
@@ -873,6 +931,10 @@ struct GatherQuantized:
             _gather[8, QBLOCK_SMALL, False](op, tp, T, K, qp, smp)
         elif kind == Q4_FACTORED:
             _gather[4, QBLOCK, True](op, tp, T, K, qp, smp)
+        elif kind == BF16_FLOATS:
+            _gather[HALF, 1, False](op, tp, T, K, qp, smp)
+        elif kind == F16_FLOATS:
+            _gather[HALF, 1, False, True](op, tp, T, K, qp, smp)
         else:
             _gather[6, QBLOCK_SMALL, True](op, tp, T, K, qp, smp)
 

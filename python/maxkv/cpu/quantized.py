@@ -43,7 +43,13 @@ IQ4_NL and IQ4_XS store 4-bit indices into a table of 16 int8 values
 integers): the copy holds each weight's table value plus 128, a byte, and every
 ``fma`` is exact (``(q - 128) * scale`` has at most 24 significant bits).
 
-The kernel reads 4-, 6- and 8-bit integers (:data:`PACKED_FORMATS`), so
+A matrix stored as 16-bit floats (a bfloat16 or float16 checkpoint's, a
+GGUF's ``F16`` and ``BF16`` matrices) is held as those values
+(:class:`Floats16`, two bytes a weight, as the file): each widens to float32
+exactly, so the kernel multiplies the checkpoint's own values.
+
+The kernel reads 4-, 6- and 8-bit integers and 16-bit floats
+(:data:`PACKED_FORMATS`), so
 Q5_0 and Q5_1 take a byte a weight (the file 0.69 and 0.75), Q2_K, Q3_K and
 Q5_K six bits with blocks of 16 (0.91 bytes; the file 0.33, 0.43 and 0.69);
 Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56), IQ4_NL
@@ -54,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, TypeAlias, cast
 
 import numpy as np
 
@@ -66,6 +72,10 @@ BLOCK = 32
 TILE = 64
 #: Weights along ``K`` per pair of float32 factors of a factored copy (GGML's super-block).
 SUPER = 256
+#: The 16-bit float types a :class:`Floats16` holds, in the order their ``sm``
+#: shape names them (``[tiles, 1 + index, 1, 64]``).
+FLOAT_TYPES = ("bfloat16", "float16")
+FloatType: TypeAlias = Literal["bfloat16", "float16"]
 
 
 class Factors(NamedTuple):
@@ -87,30 +97,37 @@ class PackedFormat(NamedTuple):
     ``bits`` 4 (two integers a byte), 6 (factored only) or 8; ``block`` 32
     or 16 weights per scale along ``K``; ``factored``: the scales and offsets
     as :class:`Factors` (4 bits in blocks of 32, or 6 in blocks of 16), else
-    stored as float32 (4 bits in blocks of 32, 8 in blocks of 32 or 16).  The
-    one place the shapes of ``(q, sm)`` are written (see :class:`TileBuilder`).
+    stored as float32 (4 bits in blocks of 32, 8 in blocks of 32 or 16).
+    ``floating``: a 16-bit float type of :data:`FLOAT_TYPES` (``bits`` 16,
+    ``block`` 1, no scales: :class:`Floats16`), else ``""``.  The one place
+    the shapes of ``(q, sm)`` are written (see :class:`TileBuilder`).
     """
 
     bits: int
     block: int
     factored: bool = False
+    floating: str = ""
 
     @staticmethod
-    def check(bits: int, block: int, factored: bool = False) -> PackedFormat:
+    def check(bits: int, block: int, factored: bool = False, floating: str = "") -> PackedFormat:
         """The format, after checking it is one the kernel reads."""
-        fmt = PackedFormat(bits, block, factored)
+        fmt = PackedFormat(bits, block, factored, floating)
         if fmt not in PACKED_FORMATS:
             raise ValueError(
                 f"the kernel reads 4-bit integers in blocks of 32 and 8-bit ones in blocks "
-                f"of 32 or 16 with float32 scales, and 4-bit ones in blocks of 32 or 6-bit "
-                f"ones in blocks of 16 with factored scales, not {fmt}"
+                f"of 32 or 16 with float32 scales, 4-bit ones in blocks of 32 or 6-bit "
+                f"ones in blocks of 16 with factored scales, and bfloat16 or float16 "
+                f"values, not {fmt}"
             )
         return fmt
 
     @property
     def slots(self) -> int:
         """Rows of 64 float32 in ``sm`` per block (plain) or per super-block (factored):
-        a scale and an offset, or two factors and the int8 multipliers, four a slot."""
+        a scale and an offset, or two factors and the int8 multipliers, four a slot
+        (16-bit floats: one, never read)."""
+        if self.floating:
+            return 1
         return 2 + 2 * (SUPER // self.block) // 4 if self.factored else 2
 
     def q_shape(self, tiles: int, k: int) -> tuple[int, int, int]:
@@ -119,7 +136,10 @@ class PackedFormat(NamedTuple):
 
     def sm_shape(self, tiles: int, k: int) -> tuple[int, int, int, int]:
         """``sm``: float32 ``[tiles, K / block, 2, 64]``, or factored ``[tiles, K / 256,
-        slots, 64]``."""
+        slots, 64]``; 16-bit floats ``[tiles, 1 + FLOAT_TYPES.index(floating), 1, 64]``
+        (never read: the shape names the type)."""
+        if self.floating:
+            return (tiles, 1 + FLOAT_TYPES.index(self.floating), 1, TILE)
         if self.factored:
             return (tiles, k // SUPER, self.slots, TILE)
         return (tiles, k // self.block, 2, TILE)
@@ -134,6 +154,8 @@ class PackedFormat(NamedTuple):
     def of(q_shape: Sequence[int], sm_shape: Sequence[int]) -> PackedFormat:
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
         bits, k = int(q_shape[2]) * 8 // TILE, int(q_shape[1])
+        if int(sm_shape[2]) == 1 and 1 <= int(sm_shape[1]) <= len(FLOAT_TYPES):
+            return PackedFormat.check(bits, 1, False, FLOAT_TYPES[int(sm_shape[1]) - 1])
         if int(sm_shape[2]) == 2:
             return PackedFormat.check(bits, k // int(sm_shape[1]))
         block = 2 * SUPER // (4 * (int(sm_shape[2]) - 2))
@@ -147,7 +169,11 @@ PACKED_FORMATS = (
     PackedFormat(8, 16),
     PackedFormat(4, 32, True),
     PackedFormat(6, 16, True),
+    PackedFormat(16, 1, False, "bfloat16"),
+    PackedFormat(16, 1, False, "float16"),
 )
+#: The formats of block-quantized integers (:class:`BlockQuantized`'s).
+INTEGER_FORMATS = tuple(f for f in PACKED_FORMATS if not f.floating)
 
 #: The format :func:`from_gguf_blocks` reads each GGML type in (the module's table).
 GGUF_FORMATS = {
@@ -171,6 +197,14 @@ IQ4_VALUES = np.array(
 )
 #: GGML types :func:`from_gguf_blocks` reads.
 GGUF_TYPES = tuple(GGUF_FORMATS)
+#: The format of every type a matrix is held in (:func:`from_file_bytes`): GGML's
+#: blocks, and 16-bit floats under the names GGML and safetensors give them.
+HELD_FORMATS = GGUF_FORMATS | {
+    "BF16": PackedFormat(16, 1, False, "bfloat16"),
+    "F16": PackedFormat(16, 1, False, "float16"),
+}
+#: The types :func:`from_file_bytes` reads.
+HELD_TYPES = tuple(HELD_FORMATS)
 
 
 def stacked_format(formats: Sequence[PackedFormat]) -> PackedFormat:
@@ -178,8 +212,16 @@ def stacked_format(formats: Sequence[PackedFormat]) -> PackedFormat:
 
     Factored ones stay factored (Q4_K rows over Q6_K ones: 6 bits in blocks of
     16); with a plain one, all are plain, the widest ``bits`` and the smallest
-    ``block`` (Q5_0 rows over Q6_K ones: 8 bits in blocks of 16).
+    ``block`` (Q5_0 rows over Q6_K ones: 8 bits in blocks of 16).  16-bit floats
+    stack with the same type only.
+
+    Raises:
+        ValueError: If 16-bit floats meet another format.
     """
+    if any(f.floating for f in formats):
+        if len(set(formats)) > 1:
+            raise ValueError(f"16-bit floats stack with their own type only, not {set(formats)}")
+        return formats[0]
     block = min(f.block for f in formats)
     if all(f.factored for f in formats):
         return PackedFormat.check(
@@ -353,6 +395,81 @@ class BlockQuantized:
         return builder.q, builder.sm
 
 
+@dataclass(frozen=True)
+class Floats16:
+    """A ``[N, K]`` matrix of 16-bit floats, held as its file stores them.
+
+    ``bits`` uint16 ``[N, K]``: each weight's bfloat16 (float32's top half) or
+    float16 bit pattern, as ``floating`` says.  Each widens to float32
+    exactly, so :meth:`dequantize` gives the values transformers computes
+    with, and the kernel, reading the two bytes, the same ones.
+    """
+
+    bits: np.ndarray
+    floating: FloatType
+
+    def __post_init__(self) -> None:
+        if self.floating not in FLOAT_TYPES:
+            raise ValueError(f"floating must be one of {FLOAT_TYPES}, got {self.floating!r}")
+        if self.bits.ndim != 2 or self.bits.dtype != np.uint16:
+            raise ValueError(f"bits must be uint16 [N, K], got {self.bits.dtype} {self.bits.shape}")
+
+    @staticmethod
+    def of(values: np.ndarray, floating: FloatType) -> Floats16:
+        """``values`` (float32 ``[N, K]``) as 16-bit floats, if each is one exactly.
+
+        Raises:
+            ValueError: If a value is not a ``floating`` exactly.
+        """
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if floating == "bfloat16":
+            bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            bits = values.astype(np.float16).view(np.uint16)
+        held = Floats16(bits, floating)
+        if not held.exactly(values):
+            raise ValueError(f"the values are not all {floating}")
+        return held
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.bits.shape[0]), int(self.bits.shape[1]))
+
+    @property
+    def format(self) -> PackedFormat:
+        """The kernel's layout for it: 16-bit floats of its type."""
+        return PackedFormat(16, 1, False, self.floating)
+
+    def exactly(self, weight: np.ndarray) -> bool:
+        """Whether this holds exactly ``weight`` (float32 ``[N, K]``), value for value."""
+        weight = np.asarray(weight)
+        if weight.shape != self.shape or weight.dtype != np.float32:
+            return False
+        return bool(np.array_equal(self.dequantize(), weight, equal_nan=True))
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[N, K]`` matrix (each value widened exactly)."""
+        if self.floating == "bfloat16":
+            widened: np.ndarray = (self.bits.astype(np.uint32) << 16).view(np.float32)
+            return widened
+        return self.bits.view(np.float16).astype(np.float32)
+
+    def rows(self, order: np.ndarray) -> Floats16:
+        """The matrix with its rows taken in ``order``."""
+        return Floats16(self.bits[order], self.floating)
+
+    def pack(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(q, sm)`` as :func:`maxkv.ops.linear_packed` takes them (:class:`TileBuilder`)."""
+        n, k = self.shape
+        builder = TileBuilder(self.format, n, k)
+        builder.write(0, self)
+        return builder.q, builder.sm
+
+
+#: A matrix held as its file stores it: block-quantized integers or 16-bit floats.
+HeldMatrix: TypeAlias = BlockQuantized | Floats16
+
+
 class TileBuilder:
     """The tile layout :func:`maxkv.ops.linear_packed` reads, filled a row range at a time.
 
@@ -364,7 +481,9 @@ class TileBuilder:
     float32 ``[ceil(N / 64), K / block, 2, 64]``: each block's scales, then
     offsets; factored, ``[ceil(N / 64), K / 256, slots, 64]``: per 256 rows
     the two factors ``d``, then the bytes of the int8 multipliers ``m``
-    ``[256 / block, 2, 64]``.  Padding columns are zero.  Rows may come in
+    ``[256 / block, 2, 64]``.  16-bit floats: ``q`` ``[ceil(N / 64), K,
+    128]``, column ``j`` in bytes ``2 j`` and ``2 j + 1`` (little-endian), and
+    ``sm`` zeros (:meth:`PackedFormat.sm_shape`).  Padding columns are zero.  Rows may come in
     any pieces, each once (:meth:`write`), so a large matrix is never held
     unpacked whole.
     """
@@ -375,12 +494,13 @@ class TileBuilder:
         self.q = aligned_zeros(q_shape, np.uint8)
         self.sm = aligned_zeros(sm_shape, np.float32)
 
-    def write(self, row: int, part: BlockQuantized) -> None:
+    def write(self, row: int, part: HeldMatrix) -> None:
         """Lays out ``part``'s rows as rows ``row ..`` of the matrix.
 
         Raises:
-            ValueError: If ``part`` does not fit (rows, ``K``, wider integers
-                or blocks that cannot be split into the format's).
+            ValueError: If ``part`` does not fit (rows, ``K``, wider integers,
+                blocks that cannot be split into the format's, or another
+                float type).
         """
         n, k = part.shape
         fmt = self.format
@@ -388,6 +508,19 @@ class TileBuilder:
             raise ValueError(
                 f"a [{n}, {k}] part does not fit rows {row}.. of a [{self.n}, {self.k}] matrix"
             )
+        if isinstance(part, Floats16) or fmt.floating:
+            if part.format != fmt:
+                raise ValueError(f"a {part.format} part does not fit a {fmt} matrix")
+            assert isinstance(part, Floats16)
+            # Row k of a tile: its 64 columns' values, two bytes each.
+            tiles = self.q.view(np.uint16).reshape(-1, k, TILE)
+            first, stop = row // TILE, -(-(row + n) // TILE)
+            front = row - first * TILE
+            window = np.zeros(((stop - first) * TILE, k), np.uint16)
+            window[front : front + n] = part.bits
+            block = window.reshape(stop - first, TILE, k).transpose(0, 2, 1)
+            tiles[first:stop] |= block
+            return
         part = part.as_format(fmt)
         first, stop = row // TILE, -(-(row + n) // TILE)
         front, back = row - first * TILE, stop * TILE - row - n
@@ -557,6 +690,25 @@ def _factored(
     return BlockQuantized.factored(
         np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8), factors, mult, bits, block
     )
+
+
+def from_file_bytes(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> HeldMatrix:
+    """A matrix's bytes as a file stores them (``type_name`` one of
+    :data:`HELD_TYPES`: GGML's names, which safetensors gives its 16-bit types
+    too) read as ``[N, K]``: :class:`Floats16` for ``BF16`` and ``F16``, else
+    :func:`from_gguf_blocks`.
+
+    Raises:
+        ValueError: On another type or a size that does not match ``shape``.
+    """
+    if type_name not in ("BF16", "F16"):
+        return from_gguf_blocks(type_name, raw, shape)
+    n, k = shape
+    flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if flat.size != 2 * n * k:
+        raise ValueError(f"{flat.size} bytes do not hold a {type_name} [{n}, {k}] matrix")
+    floating = cast(FloatType, FLOAT_TYPES[("BF16", "F16").index(type_name)])
+    return Floats16(np.ascontiguousarray(flat).view("<u2").reshape(n, k), floating)
 
 
 def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> BlockQuantized:

@@ -34,7 +34,7 @@ from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
 from ..cpu.features import usable_cores
-from ..cpu.quantized import TILE, BlockQuantized, PackedFormat, TileBuilder
+from ..cpu.quantized import TILE, BlockQuantized, HeldMatrix, PackedFormat, TileBuilder
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
 from ..graph.types import layer_collections as spec_layer_collections
@@ -142,7 +142,7 @@ def graph_weights(
     weights: Mapping[str, np.ndarray],
     *,
     packed: bool,
-    quantized: Mapping[str, BlockQuantized] | None = None,
+    quantized: Mapping[str, HeldMatrix] | None = None,
     greedy_head: bool = False,
     dtype: DType = DType.float32,
 ) -> dict[str, np.ndarray | Buffer]:
@@ -156,7 +156,8 @@ def graph_weights(
     for :func:`maxkv.ops.linear_packed`; otherwise they stay ``[out, in]``
     (``x @ w.T``).  The RoPE table covers the model's whole context.
 
-    ``weights`` a :class:`~maxkv.models.held.HeldWeights` (a GGUF file's): a
+    ``weights`` a :class:`~maxkv.models.held.HeldWeights` (a GGUF file's or a
+    16-bit checkpoint's): a
     matrix all of whose sources are held as blocks is packed from them alone,
     ``<name>.q`` and ``<name>.sm`` (:meth:`BlockQuantized.pack`), with no
     float32 ``<name>``, and no float32 copy made on the way: every step reads
@@ -210,8 +211,10 @@ def graph_weights(
             continue
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-        if as_copy and quantized and all(part in quantized for part in parts):
-            copy = BlockQuantized.concat([quantized[part] for part in parts])
+        copies = [quantized[p] for p in parts if p in quantized] if as_copy and quantized else []
+        integers = [c for c in copies if isinstance(c, BlockQuantized)]
+        if integers and len(integers) == len(parts):
+            copy = BlockQuantized.concat(integers)
             if copy.exactly(matrix):  # held as the file stores it: no float32 copy
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
                 quant_formats[name] = copy.format
@@ -649,7 +652,7 @@ class DecoderModel:
         session: InferenceSession,
         *,
         output: OutputKind = "tokens",
-        quantized: Mapping[str, BlockQuantized] | None = None,
+        quantized: Mapping[str, HeldMatrix] | None = None,
         device: Device | None = None,
         prepared: Mapping[str, Any] | None = None,
         head_rows: HeadRows = "last",

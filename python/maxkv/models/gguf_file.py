@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..cpu.quantized import GGUF_TYPES
+from ..cpu.quantized import HELD_TYPES
 from .config import DecoderConfig, ModelLoadError, Weights
 from .family import Family, GGUFLayout, gguf_families
 from .gguf_header import GGUFHeader, read_header
@@ -231,13 +231,13 @@ class _File:
         return array
 
     def blocks(self) -> FileBlocks:
-        """The matrices of :data:`~maxkv.cpu.quantized.GGUF_TYPES`, read when asked for."""
+        """The matrices of :data:`~maxkv.cpu.quantized.HELD_TYPES`, read when asked for."""
         held: dict[str, HeldTensor] = {}
         for tensor in self.reader.tensors:
             name = self.hf_name(tensor.name)
             shape = tuple(int(d) for d in reversed(tensor.shape))
             type_name = tensor.tensor_type.name
-            if name is None or len(shape) != 2 or type_name not in GGUF_TYPES:
+            if name is None or len(shape) != 2 or type_name not in HELD_TYPES:
                 continue
             n, k = shape  # whole blocks, its bytes in the file: checked by the header reader
             heads = None
@@ -250,8 +250,8 @@ class _File:
                 order = unpermute_rope_rows(np.arange(n)[:, None], heads)[:, 0]
             raw = tensor.data  # uint8 [n, bytes per row]
             span = (int(tensor.data_offset), int(tensor.n_bytes))
-            held[name] = HeldTensor(type_name, (n, k), raw, span, order)
-        return FileBlocks(held, self.reader.mapping, source=self.path)
+            held[name] = HeldTensor(type_name, (n, k), raw, span, order, self.reader.mapping)
+        return FileBlocks(held, source=self.path)
 
 
 def read_gguf(
@@ -260,11 +260,12 @@ def read_gguf(
     """Loads a GGUF file of any family with a GGUF layout: its configuration and
     weights (Hugging Face names), parsing the file once.
 
-    Every matrix of a type in :data:`maxkv.cpu.quantized.GGUF_TYPES` (Q4_0,
-    Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K) stays in the mapped file as
-    its blocks (:class:`~maxkv.models.held.FileBlocks`, Q and K rows
-    unpermuted when read); every other tensor (norms, float16 or float32
-    matrices, the block types maxkv's kernels do not read) is dequantized to
+    Every matrix of a type in :data:`maxkv.cpu.quantized.HELD_TYPES` (Q4_0,
+    Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL, IQ4_XS, F16, BF16) stays in
+    the mapped file as its blocks or 16-bit values
+    (:class:`~maxkv.models.held.FileBlocks`, Q and K rows unpermuted when
+    read); every other tensor (norms, float32 matrices, the block types
+    maxkv's kernels do not read) is dequantized to
     float32 with ``gguf.quants.dequantize`` and llama.cpp's changes undone.
     A held matrix read as float32 (``weights[name]``) is exactly what
     ``gguf.quants.dequantize`` gives for its bytes.

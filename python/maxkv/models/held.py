@@ -1,11 +1,12 @@
 """A model's weights held as its file stores them.
 
 A GGUF file stores most matrices in blocks of small integers
-(:mod:`maxkv.cpu.quantized`).  :class:`HeldWeights` is what
-:func:`~maxkv.models.load_model` returns for such a file: the other tensors
-(norms, biases, float16 or float32 matrices) as float32 arrays, and the
-block-quantized matrices as :class:`FileBlocks`, read from the mapped file
-when asked for and kept nowhere.  The decoder packs each of those straight
+(:mod:`maxkv.cpu.quantized`), a bfloat16 or float16 checkpoint as 16-bit
+floats.  :class:`HeldWeights` is what :func:`~maxkv.models.load_model`
+returns for such a file: the other tensors (norms, biases, float32
+matrices) as float32 arrays, and the block-quantized and 16-bit matrices as
+:class:`FileBlocks`, read from the mapped file when asked for and kept
+nowhere.  The decoder packs each of those straight
 into the layout its kernels stream (:func:`~maxkv.models.decoder.graph_weights`);
 no float32 copy of such a matrix is made.  Read as a mapping of float32
 arrays (``weights[name]``, for references and tools) a held matrix is
@@ -23,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from ..cpu.quantized import (
-    GGUF_FORMATS,
-    BlockQuantized,
+    HELD_FORMATS,
+    HeldMatrix,
     PackedFormat,
-    from_gguf_blocks,
+    from_file_bytes,
     stacked_format,
 )
 from .config import DecoderConfig, ModelLoadError, check_weights
@@ -34,9 +35,10 @@ from .config import DecoderConfig, ModelLoadError, check_weights
 
 @dataclass(frozen=True)
 class HeldTensor:
-    """One block-quantized matrix in a mapped file."""
+    """One block-quantized or 16-bit matrix in a mapped file."""
 
-    #: Its GGML type (one of :data:`~maxkv.cpu.quantized.GGUF_TYPES`).
+    #: Its GGML type (one of :data:`~maxkv.cpu.quantized.HELD_TYPES`; a safetensors
+    #: file's 16-bit matrices are ``BF16`` and ``F16`` too).
     type_name: str
     #: ``(N, K)``.
     shape: tuple[int, int]
@@ -46,31 +48,28 @@ class HeldTensor:
     span: tuple[int, int]
     #: The file's row of each of its rows (llama.cpp's Q/K permutation undone), or ``None``.
     order: np.ndarray | None = None
+    #: The mapping ``raw`` lies in (its pages released by :meth:`FileBlocks.release`).
+    mapping: mmap.mmap | None = None
 
 
-class FileBlocks(Mapping[str, BlockQuantized]):
-    """Block-quantized matrices of a mapped file, each read when asked for.
+class FileBlocks(Mapping[str, HeldMatrix]):
+    """Block-quantized or 16-bit matrices of mapped files, each read when asked for.
 
     ``blocks[name]`` reads the matrix's bytes from the mapping into a new
-    :class:`~maxkv.cpu.quantized.BlockQuantized`, :meth:`read` some of its
-    rows; nothing is cached, so holding this mapping holds only the file's
-    mapping.  :meth:`release` gives the pages of a matrix read so far back to
-    the OS (read again if asked for), so a file read once resides once.
+    :class:`~maxkv.cpu.quantized.BlockQuantized` (or
+    :class:`~maxkv.cpu.quantized.Floats16`, a view of the mapping),
+    :meth:`read` some of its rows; nothing is cached, so holding this mapping
+    holds only the files' mappings.  :meth:`release` gives the pages of a
+    matrix read so far back to the OS (read again if asked for), so a file
+    read once resides once.
     """
 
-    def __init__(
-        self,
-        tensors: Mapping[str, HeldTensor],
-        mapping: mmap.mmap | None = None,
-        *,
-        source: Path | None = None,
-    ):
+    def __init__(self, tensors: Mapping[str, HeldTensor], *, source: Path | None = None):
         self._tensors = dict(tensors)
-        self._mapping = mapping
-        #: The file the blocks are read from, where known (the packed cache's key).
+        #: The one file the blocks are read from, where known (the packed cache's key).
         self.source = source
 
-    def __getitem__(self, name: str) -> BlockQuantized:
+    def __getitem__(self, name: str) -> HeldMatrix:
         return self.read(name, 0, self.shape(name)[0])
 
     def __contains__(self, name: object) -> bool:
@@ -81,6 +80,10 @@ class FileBlocks(Mapping[str, BlockQuantized]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    def tensors(self) -> dict[str, HeldTensor]:
+        """Name -> where each matrix lies (to merge the blocks of several files)."""
+        return dict(self._tensors)
 
     def shape(self, name: str) -> tuple[int, int]:
         """``(N, K)`` of matrix ``name``, without reading it."""
@@ -102,7 +105,7 @@ class FileBlocks(Mapping[str, BlockQuantized]):
 
     def format(self, name: str) -> PackedFormat:
         """The kernel format matrix ``name`` is read in."""
-        return GGUF_FORMATS[self._tensors[name].type_name]
+        return HELD_FORMATS[self._tensors[name].type_name]
 
     def stacked(self, names: Sequence[str]) -> tuple[PackedFormat, int, int]:
         """``(format, N, K)`` of matrices ``names`` stacked by rows: the smallest
@@ -110,7 +113,7 @@ class FileBlocks(Mapping[str, BlockQuantized]):
         fmt = stacked_format([self.format(name) for name in names])
         return fmt, sum(self.shape(name)[0] for name in names), self.shape(names[0])[1]
 
-    def read(self, name: str, start: int, stop: int) -> BlockQuantized:
+    def read(self, name: str, start: int, stop: int) -> HeldMatrix:
         """Rows ``start:stop`` of matrix ``name``.
 
         Raises:
@@ -119,7 +122,7 @@ class FileBlocks(Mapping[str, BlockQuantized]):
         tensor = self._tensors[name]
         rows = slice(start, stop) if tensor.order is None else tensor.order[start:stop]
         try:
-            return from_gguf_blocks(
+            return from_file_bytes(
                 tensor.type_name, tensor.raw[rows], (stop - start, tensor.shape[1])
             )
         except ValueError as error:
@@ -128,15 +131,17 @@ class FileBlocks(Mapping[str, BlockQuantized]):
     def release(self, name: str | None = None) -> None:
         """Drops the pages of matrix ``name`` (every matrix: ``None``) from this
         process's resident memory; the file stays mapped."""
-        if self._mapping is None or self._mapping.closed:
-            return
-        spans = [self._tensors[name].span] if name else [t.span for t in self._tensors.values()]
+        tensors = [self._tensors[name]] if name else list(self._tensors.values())
         page = mmap.PAGESIZE
-        for offset, length in spans:
+        for tensor in tensors:
+            mapping = tensor.mapping
+            if mapping is None or mapping.closed:
+                continue
+            offset, length = tensor.span
             start = offset // page * page
-            end = min(-(-(offset + length) // page) * page, len(self._mapping))
+            end = min(-(-(offset + length) // page) * page, len(mapping))
             if end > start:
-                self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class HeldWeights(Mapping[str, np.ndarray]):

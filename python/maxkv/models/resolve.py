@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cpu.quantized import BlockQuantized
+from ..cpu.quantized import HeldMatrix
 from .config import DecoderConfig, default_llama
 from .fetch import KNOWN_MODELS, fetch
 from .held import HeldWeights
@@ -37,7 +37,7 @@ class LoadedModel:
     path: Path | None
     #: The matrices a GGUF file holds as blocks (``weights.blocks``; empty
     #: otherwise), read when asked for.
-    quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
+    quantized: Mapping[str, HeldMatrix] = field(default_factory=dict)
 
     @property
     def description(self) -> str:
