@@ -129,11 +129,11 @@ def block_rows[C: Int]() -> Int:
 
 
 @always_inline
-def _half[C: Int, C0: Int, F16: Bool](q: U8Ptr, k: Int) -> SIMD[DType.float32, C]:
-    """Columns `C0 .. C0 + C` of row `k` of a tile of 16-bit floats, widened to
+def _half[C: Int, F16: Bool](q: U8Ptr, k: Int, c0: Int) -> SIMD[DType.float32, C]:
+    """Columns `c0 .. c0 + C` of row `k` of a tile of 16-bit floats, widened to
     float32 (exact): column `j` in bytes `2 j, 2 j + 1` (little-endian), a
     bfloat16 (float32's top half) or, with `F16`, a float16."""
-    var at = q.unsafe_offset(k * TILE * 2 + 2 * C0)
+    var at = q.unsafe_offset(k * TILE * 2 + 2 * c0)
     comptime if F16:
         return at.unsafe_bitcast[Float16]().unsafe_load[width=C](0).cast[DType.float32]()
     var bits = at.unsafe_bitcast[UInt16]().unsafe_load[width=C](0).cast[DType.uint32]() << 16
@@ -255,7 +255,7 @@ def _block[
             _fma_k[R, C](rows, k, w.unsafe_load[width=C](k * C), acc)
     elif BITS == HALF:
         for k in range(K):
-            _fma_k[R, C](rows, k, _half[C, C0, F16](q, k), acc)
+            _fma_k[R, C](rows, k, _half[C, F16](q, k, C0), acc)
     else:
         for kb in range(K // QB):
             var so = _scales[C, QB, FACT](sm, kb, C0)
@@ -356,7 +356,7 @@ def _panel_column_block[BITS: Int, C: Int, C0: Int, ADD: Bool, QB: Int, FACT: Bo
         var kc = min(PANEL_K, K - k0)
         comptime if BITS == HALF:
             for k in range(k0, k0 + kc):
-                panel.unsafe_store((k - k0) * C, _half[C, C0, F16](q, k))
+                panel.unsafe_store((k - k0) * C, _half[C, F16](q, k, C0))
         else:
             for kb in range(k0 // QB, (k0 + kc) // QB):
                 var so = _scales[C, QB, FACT](sm, kb, C0)
@@ -850,12 +850,7 @@ def _column_value[BITS: Int, QB: Int, FACT: Bool, F16: Bool](
     16-bit float with `HALF`), one column at a time."""
     comptime ROW = TILE * BITS // 8
     comptime if BITS == HALF:
-        var at = q.unsafe_offset(k * ROW + 2 * c)
-        comptime if F16:
-            return at.unsafe_bitcast[Float16]().unsafe_load[width=1](0).cast[DType.float32]()
-        return bitcast[DType.float32, 1](
-            at.unsafe_bitcast[UInt16]().unsafe_load[width=1](0).cast[DType.uint32]() << 16
-        )
+        return _half[1, F16](q, k, c)[0]
     var v: UInt8
     comptime if BITS == 8:
         v = q[unsafe_offset=k * ROW + c]

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeAlias, cast
+from typing import Literal, NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -76,6 +76,8 @@ SUPER = 256
 #: shape names them (``[tiles, 1 + index, 1, 64]``).
 FLOAT_TYPES = ("bfloat16", "float16")
 FloatType: TypeAlias = Literal["bfloat16", "float16"]
+#: The names GGML (and safetensors) give them.
+GGML_FLOAT_TYPES: dict[str, FloatType] = {"BF16": "bfloat16", "F16": "float16"}
 
 
 class Factors(NamedTuple):
@@ -121,6 +123,11 @@ class PackedFormat(NamedTuple):
             )
         return fmt
 
+    @staticmethod
+    def floats(floating: str) -> PackedFormat:
+        """The format of 16-bit floats of type ``floating`` (one of :data:`FLOAT_TYPES`)."""
+        return PackedFormat(16, 1, False, floating)
+
     @property
     def slots(self) -> int:
         """Rows of 64 float32 in ``sm`` per block (plain) or per super-block (factored):
@@ -155,7 +162,7 @@ class PackedFormat(NamedTuple):
         """The format of a packed ``(q, sm)`` pair, from their shapes."""
         bits, k = int(q_shape[2]) * 8 // TILE, int(q_shape[1])
         if int(sm_shape[2]) == 1 and 1 <= int(sm_shape[1]) <= len(FLOAT_TYPES):
-            return PackedFormat.check(bits, 1, False, FLOAT_TYPES[int(sm_shape[1]) - 1])
+            return PackedFormat.check(*PackedFormat.floats(FLOAT_TYPES[int(sm_shape[1]) - 1]))
         if int(sm_shape[2]) == 2:
             return PackedFormat.check(bits, k // int(sm_shape[1]))
         block = 2 * SUPER // (4 * (int(sm_shape[2]) - 2))
@@ -169,11 +176,8 @@ PACKED_FORMATS = (
     PackedFormat(8, 16),
     PackedFormat(4, 32, True),
     PackedFormat(6, 16, True),
-    PackedFormat(16, 1, False, "bfloat16"),
-    PackedFormat(16, 1, False, "float16"),
+    *(PackedFormat.floats(floating) for floating in FLOAT_TYPES),
 )
-#: The formats of block-quantized integers (:class:`BlockQuantized`'s).
-INTEGER_FORMATS = tuple(f for f in PACKED_FORMATS if not f.floating)
 
 #: The format :func:`from_gguf_blocks` reads each GGML type in (the module's table).
 GGUF_FORMATS = {
@@ -200,8 +204,7 @@ GGUF_TYPES = tuple(GGUF_FORMATS)
 #: The format of every type a matrix is held in (:func:`from_file_bytes`): GGML's
 #: blocks, and 16-bit floats under the names GGML and safetensors give them.
 HELD_FORMATS = GGUF_FORMATS | {
-    "BF16": PackedFormat(16, 1, False, "bfloat16"),
-    "F16": PackedFormat(16, 1, False, "float16"),
+    name: PackedFormat.floats(floating) for name, floating in GGML_FLOAT_TYPES.items()
 }
 #: The types :func:`from_file_bytes` reads.
 HELD_TYPES = tuple(HELD_FORMATS)
@@ -438,7 +441,7 @@ class Floats16:
     @property
     def format(self) -> PackedFormat:
         """The kernel's layout for it: 16-bit floats of its type."""
-        return PackedFormat(16, 1, False, self.floating)
+        return PackedFormat.floats(self.floating)
 
     def exactly(self, weight: np.ndarray) -> bool:
         """Whether this holds exactly ``weight`` (float32 ``[N, K]``), value for value."""
@@ -701,14 +704,14 @@ def from_file_bytes(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> 
     Raises:
         ValueError: On another type or a size that does not match ``shape``.
     """
-    if type_name not in ("BF16", "F16"):
+    if type_name not in GGML_FLOAT_TYPES:
         return from_gguf_blocks(type_name, raw, shape)
     n, k = shape
     flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
     if flat.size != 2 * n * k:
         raise ValueError(f"{flat.size} bytes do not hold a {type_name} [{n}, {k}] matrix")
-    floating = cast(FloatType, FLOAT_TYPES[("BF16", "F16").index(type_name)])
-    return Floats16(np.ascontiguousarray(flat).view("<u2").reshape(n, k), floating)
+    bits = np.ascontiguousarray(flat).view("<u2").reshape(n, k)
+    return Floats16(bits, GGML_FLOAT_TYPES[type_name])
 
 
 def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> BlockQuantized:

@@ -136,7 +136,8 @@ def map_safetensors(file: Path) -> tuple[dict[str, np.ndarray], FileBlocks]:
         array = np.frombuffer(body[start:end], dtype=np_dtype).reshape(shape)
         if dtype == "BF16":
             array = (array.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = np.array(array, dtype=np.float32)  # a copy: not of the mapping
+        # F32 tensors: read-only views of the mapping (clean file pages, no copy).
+        tensors[name] = array.astype(np.float32, copy=False)
     return tensors, FileBlocks(held)
 
 
