@@ -211,11 +211,10 @@ def graph_weights(
             continue
         matrix = np.concatenate([w[part] for part in parts]) if len(parts) > 1 else w[parts[0]]
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-        copies = [quantized[p] for p in parts if p in quantized] if as_copy and quantized else []
-        integers = [c for c in copies if isinstance(c, BlockQuantized)]
-        if integers and len(integers) == len(parts):
-            copy = BlockQuantized.concat(integers)
-            if copy.exactly(matrix):  # held as the file stores it: no float32 copy
+        if as_copy and quantized and all(part in quantized for part in parts):
+            blocks = [c for c in (quantized[p] for p in parts) if isinstance(c, BlockQuantized)]
+            copy = BlockQuantized.concat(blocks) if len(blocks) == len(parts) else None
+            if copy is not None and copy.exactly(matrix):  # held as the file stores it
                 out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
                 quant_formats[name] = copy.format
                 continue
