@@ -1,7 +1,8 @@
 """Deployment sizes on this CPU: load, memory and batch-1 decode of Q4_K_M fixtures.
 
     python benchmarks/deployment.py llama-3.2-3b llama-3.1-8b [--mix q4_k_m|bf16] \\
-        [--llama-bench /tmp/llama-build/bin/llama-bench] [--json FILE.json]
+        [--activations float32,int8] [--llama-bench /tmp/llama-build/bin/llama-bench] \\
+        [--json FILE.json]
 
 For each shape of ``benchmarks/deployment_gguf.py`` in its ``--mix`` (the
 file is written first if missing), in a fresh process each time, one at a time:
@@ -19,6 +20,8 @@ file is written first if missing), in a fresh process each time, one at a time:
   not the embedding's other rows), reported as a fraction of this machine's
   read bandwidth (``maxkv.stream_read`` over 512 MiB).  Peak resident memory
   (``VmHWM``) of the process.
+- ``--activations``: the maxkv measurement once per ``MAXKV_ACTIVATIONS`` mode
+  given, a row each (llama.cpp's figures repeated in each).
 - llama.cpp (``--llama-bench``): ``llama-bench -m FILE -p 0 -n new_tokens -t
   <cores>``, its tokens/s, and the peak resident memory of that process.
 """
@@ -26,6 +29,7 @@ file is written first if missing), in a fresh process each time, one at a time:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -131,12 +135,21 @@ def measure_llama_cpp(binary: Path, path: Path, new_tokens: int) -> dict[str, An
 
 
 def _child(
-    shape: str, mix: str, new_tokens: int, repeats: int, decode: bool, packed_cache: bool = True
+    shape: str,
+    mix: str,
+    new_tokens: int,
+    repeats: int,
+    decode: bool,
+    activations: str,
+    packed_cache: bool = True,
 ) -> dict[str, Any]:
     command = [sys.executable, __file__, shape, "--child", "--new-tokens", str(new_tokens)]
     command += ["--mix", mix]
     command += ["--repeats", str(repeats)] + ([] if decode else ["--no-decode"])
-    env = os.environ | {"MAXKV_PACKED_CACHE": "1" if packed_cache else "0"}
+    env = os.environ | {
+        "MAXKV_PACKED_CACHE": "1" if packed_cache else "0",
+        "MAXKV_ACTIVATIONS": activations,
+    }
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode:
         raise SystemExit(f"{shape}: the measurement failed:\n{result.stderr[-3000:]}")
@@ -150,8 +163,17 @@ def main() -> None:
     parser.add_argument("--mix", choices=MIXES, default="q4_k_m", help="the fixtures' tensor types")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--activations", default="float32", help="MAXKV_ACTIVATIONS modes, by commas"
+    )
     parser.add_argument("--llama-bench", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--arith-json",
+        type=Path,
+        help="also the rows as the arithmetic results keep them (model, mode, concurrency 1, "
+        "maxkv_tok_s, llamacpp_tok_s)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-decode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,26 +202,46 @@ def main() -> None:
     }
     rows = []
     for shape, path in paths.items():
-        row: dict[str, Any] = {"shape": shape, "file": path.name}
+        llama_cpp = None
         if args.llama_bench:
-            row["llama_cpp"] = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
-        first = _child(shape, args.mix, args.new_tokens, args.repeats, decode=False)
-        packing = _child(
-            shape, args.mix, args.new_tokens, args.repeats, decode=False, packed_cache=False
-        )
-        row["maxkv"] = {
-            "load_and_compile_s": first["load_s"],
-            "load_packing_s": packing["load_s"],
-            "load_packing_peak_rss_mib": packing["peak_rss_mib"],
-        } | _child(shape, args.mix, args.new_tokens, args.repeats, decode=True)
-        if "llama_cpp" in row:
-            row["decode_vs_llama_cpp"] = round(
-                row["maxkv"]["decode_tokens_per_s"] / row["llama_cpp"]["decode_tokens_per_s"], 3
-            )
-        print(json.dumps(row, indent=2), flush=True)
-        rows.append(row)
+            llama_cpp = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
+        for mode in args.activations.split(","):
+            row: dict[str, Any] = {"shape": shape, "file": path.name, "activations": mode}
+            if llama_cpp is not None:
+                row["llama_cpp"] = llama_cpp
+            child = functools.partial(_child, shape, args.mix, args.new_tokens, args.repeats)
+            first = child(decode=False, activations=mode)
+            packing = child(decode=False, activations=mode, packed_cache=False)
+            row["maxkv"] = {
+                "load_and_compile_s": first["load_s"],
+                "load_packing_s": packing["load_s"],
+                "load_packing_peak_rss_mib": packing["peak_rss_mib"],
+            } | child(decode=True, activations=mode)
+            if llama_cpp is not None:
+                row["decode_vs_llama_cpp"] = round(
+                    row["maxkv"]["decode_tokens_per_s"] / llama_cpp["decode_tokens_per_s"], 3
+                )
+            print(json.dumps(row, indent=2), flush=True)
+            rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "deployment": rows}, indent=2) + "\n")
+    if args.arith_json:
+        arith = [
+            {
+                "model": f"{row['shape']} ({args.mix} fixture)",
+                "mode": row["activations"],
+                "concurrency": 1,
+                "workload": "batch-1 decode",
+                "maxkv_tok_s": row["maxkv"]["decode_tokens_per_s"],
+                "llamacpp_tok_s": row.get("llama_cpp", {}).get("decode_tokens_per_s"),
+                "maxkv_peak_rss_mib": row["maxkv"]["peak_rss_mib"],
+                "llamacpp_peak_rss_mib": row.get("llama_cpp", {}).get("peak_rss_mib"),
+                "fraction_of_read_bandwidth": row["maxkv"]["fraction_of_read_bandwidth"],
+            }
+            for row in rows
+        ]
+        document = {"machine": machine, "rows": arith}
+        args.arith_json.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def _cpu_name() -> str:

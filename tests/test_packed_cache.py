@@ -34,9 +34,9 @@ def gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _tiles(path: Path) -> dict[str, np.ndarray]:
+def _tiles(path: Path, activations: str = "float32") -> dict[str, np.ndarray]:
     config, weights = load_model(path)
-    registry = graph_weights(config, weights, packed=True)
+    registry = graph_weights(config, weights, packed=True, activations=activations)
     return {n: a for n, a in registry.items() if n.endswith((".q", ".sm"))}
 
 
@@ -51,9 +51,9 @@ class Packs:
         self.calls = 0
         pack = decoder._held_tiles
 
-        def counted(*args: object) -> object:
+        def counted(*args: object, **kwargs: object) -> object:
             self.calls += 1
-            return pack(*args)  # type: ignore[arg-type]
+            return pack(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(decoder, "_held_tiles", counted)
 
@@ -122,3 +122,22 @@ def test_a_rewritten_file_gets_new_tiles_and_the_setting_turns_it_off(
     assert packs.calls == 3 and len(_folders(gguf)) == 2, "written with the cache off"
     for name, array in off.items():
         np.testing.assert_array_equal(array, changed[name], err_msg=name)
+
+
+def test_each_activation_mode_keeps_its_own_tiles(
+    gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 copies (``MAXKV_ACTIVATIONS=int8``) are kept beside the float32 mode's
+    tiles, not over them, and each mode reads its own back: the same bytes, in the
+    int8 layout's shape where the matrix is integers."""
+    packs = Packs(monkeypatch)
+    rows = _tiles(gguf)
+    int8 = _tiles(gguf, "int8")
+    assert packs.calls == 2 and len(_folders(gguf)) == 2
+    assert _tiles(gguf).keys() == rows.keys() and _tiles(gguf, "int8").keys() == int8.keys()
+    assert packs.calls == 2, "a mode's tiles were packed again"
+    q = "layers.0.wqkv.q"
+    assert int8[q].shape[0] == 4 * rows[q].shape[0] and int8[q].nbytes == rows[q].nbytes
+    for name, array in int8.items():
+        if name.endswith(".sm"):
+            np.testing.assert_array_equal(array, rows[name], err_msg=name)

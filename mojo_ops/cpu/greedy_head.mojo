@@ -48,7 +48,7 @@ from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 from std.utils import StaticTuple
 
-from .linear import FLOAT32, PREFETCH_SPAN, TILE, Acc, Ptr, _block, _next_rows
+from .linear import FLOAT32, PREFETCH_SPAN, TILE, Acc, Ptr, _block, _madd, _next_rows
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime I32x16 = SIMD[DType.int32, 16]
@@ -118,14 +118,6 @@ def _level_max(K: Int) -> Int:
     comptime if VNNI:
         return 127
     return min(I16_LEVEL_MAX, 2147483647 // (127 * K))
-
-
-@always_inline
-def _madd(a: SIMD[DType.int16, 16], b: SIMD[DType.int16, 16]) -> SIMD[DType.int32, 8]:
-    """`a[2 i] b[2 i] + a[2 i + 1] b[2 i + 1]` per int32 lane (VPMADDWD), exact."""
-    return llvm_intrinsic["llvm.x86.avx2.pmadd.wd", SIMD[DType.int32, 8], has_side_effect=False](
-        a, b
-    )
 
 
 @always_inline

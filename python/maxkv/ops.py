@@ -22,6 +22,7 @@ from .cpu.greedy_head import (
 from .cpu.linear import (
     BLOCK_COLS,
     PACKED_TILE,
+    activations,
     gather_quantized,
     linear_packed,
     pack_linear_weight,
@@ -47,6 +48,7 @@ __all__ = [
     "PACKED_TILE",
     "GreedyHeadLayout",
     "MaskVariant",
+    "activations",
     "cache_lengths",
     "check_row_offsets",
     "copy_tokens",

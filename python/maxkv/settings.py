@@ -203,6 +203,14 @@ GREEDY_HEAD: Setting[bool] = Setting(
     "maxkv's exact integer greedy head",
     "process",
 )  # fmt: skip
+ACTIVATIONS: Setting[str] = Setting(
+    "MAXKV_ACTIVATIONS", "float32", _choice("float32", "int8"), "float32 or int8",
+    "how the CPU model multiplies matrices held as a GGUF's integer blocks: float32, "
+    "the exact products of the dequantized weights; int8, each activation row "
+    "quantized to int8 per block and multiplied in integers (faster, approximate; "
+    "needs AVX2)",
+    "process",
+)  # fmt: skip
 PACKED_CACHE: Setting[bool] = Setting(
     "MAXKV_PACKED_CACHE", True, _flag, "1 or 0",
     "1: a GGUF's packed CPU tiles are kept under the cache folder's packed/ and "
@@ -426,7 +434,7 @@ MAX_CHOICES: Setting[int] = Setting(
 SETTINGS: dict[str, Setting[object]] = {
     s.name: s  # type: ignore[misc]
     for s in (
-        CACHE_DIR, EVENT_LOG, GREEDY_HEAD, PACKED_CACHE, MODEL_ID,
+        CACHE_DIR, EVENT_LOG, GREEDY_HEAD, ACTIVATIONS, PACKED_CACHE, MODEL_ID,
         CACHE, PAGE_SIZE, SLIDING_WINDOW, ATTENTION_SINKS, KEEP_WINDOW_PAGES, KV_CACHE_GB,
         HOST_TIER_GB, DISK_TIER_DIR, DISK_TIER_GB, REDIS_URL, REDIS_NAMESPACE, SWAP_GB,
         TIER_SECRET, TIER_SECRET_FILE, TIER_OLD_SECRETS, TIER_INSECURE, TIER_ENCRYPT,

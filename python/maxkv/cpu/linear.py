@@ -13,10 +13,11 @@ import numpy as np
 from max.dtype import DType
 from max.graph import TensorType, TensorValue, ops
 
+from .. import settings
 from ..graph.checks import check_positive_int, check_tensor, static_dim
 from .arrays import aligned_zeros
 from .features import cpu_flags
-from .quantized import PACKED_FORMATS, SUPER
+from .quantized import ACTIVATIONS, PACKED_FORMATS, SUPER, PackedFormat
 
 #: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
 PACKED_TILE = 64
@@ -32,6 +33,23 @@ def packed_block_cols() -> int:
     gives the same results on any CPU; this one is the fast one here.
     """
     return 64 if "avx512f" in cpu_flags() else 16
+
+
+def activations() -> str:
+    """``MAXKV_ACTIVATIONS``, one of :data:`~maxkv.cpu.quantized.ACTIVATIONS`, after
+    checking this host's CPU runs it: ``"int8"`` needs AVX2 (VPMADDUBSW).
+
+    Raises:
+        SettingError: If the CPU cannot run the mode asked for.
+    """
+    mode = settings.ACTIVATIONS.read()
+    assert mode in ACTIVATIONS, mode
+    if mode == "int8" and "avx2" not in cpu_flags():
+        raise settings.SettingError(
+            "MAXKV_ACTIVATIONS=int8 multiplies with AVX2's VPMADDUBSW, which this CPU "
+            "lacks; unset it (float32)"
+        )
+    return mode
 
 
 def pack_linear_weight(weight: np.ndarray, block_cols: int | None = None) -> np.ndarray:
@@ -83,7 +101,11 @@ def linear_packed(
     (a model held as its file stores it): steps of more than 8 rows
     dequantize 256 weight rows of a column block at a time into a scratch
     panel of their worker's, which every register block of the step reads
-    from cache; the results are the same bits again.
+    from cache; the results are the same bits again.  An int8 copy
+    (:attr:`~maxkv.cpu.quantized.PackedFormat.int8`, the weight alone) is
+    multiplied by ``x`` quantized to int8 per block of 32 (16 for blocks of
+    16) along ``K``, in integers (AVX2): every step size, approximate results
+    (the quantized ``x``'s products with the dequantized weights).
 
     Args:
         x: float32 ``[M, K]`` on the CPU.
@@ -92,6 +114,7 @@ def linear_packed(
             with ``quantized``.
         out_features: ``N``, the rows of the unpacked weight.
         quantized: ``(q, sm)``: uint8 ``[ceil(N / 64), K, 64 * bits / 8]``
+            (an int8 copy: ``[ceil(N / 64) * 4, K / 4, 64 * bits / 8]``)
             and float32 ``[ceil(N / 64), K / block, 2, 64]`` (plain scales:
             4 bits in blocks of 32, 8 in blocks of 32 or 16) or ``[ceil(N /
             64), K / 256, slots, 64]`` (factored: 4 bits in blocks of 32, 6 in
@@ -147,7 +170,8 @@ def linear_packed(
                 f"(expected [{tiles}, 64 / b, {k}, b], b in {BLOCK_COLS})"
             )
     if quantized is not None:
-        _check_copy_shapes(quantized, out_features, k)
+        if _check_copy_shapes(quantized, out_features, k).int8 and w_packed is not None:
+            raise ValueError("an int8 copy is the weight alone: pass w_packed=None")
     if residual is not None and (
         residual.shape[0] != x.shape[0] or static_dim("residual", residual, 1) != out_features
     ):
@@ -167,14 +191,24 @@ def linear_packed(
     )[0].tensor
 
 
-def _check_copy_shapes(quantized: tuple[TensorValue, TensorValue], n: int, k: int) -> None:
-    """Raises ValueError unless ``(q, sm)`` is a packed quantized ``[n, k]`` matrix
-    in one of :data:`~maxkv.cpu.quantized.PACKED_FORMATS`."""
+def _check_copy_shapes(quantized: tuple[TensorValue, TensorValue], n: int, k: int) -> PackedFormat:
+    """The format of ``(q, sm)``, a packed quantized ``[n, k]`` matrix in one of
+    :data:`~maxkv.cpu.quantized.PACKED_FORMATS` (or an int8 copy of an integer one).
+
+    Raises:
+        ValueError: If it is none of them.
+    """
     q, sm = quantized
     q_shape = tuple(static_dim("q", q, i) for i in range(3))
     sm_shape = tuple(static_dim("sm", sm, i) for i in range(4))
-    fitting = [f for f in PACKED_FORMATS if k % (SUPER if f.factored else f.block) == 0]
-    if k == 0 or not any((q_shape, sm_shape) == f.shapes(n, k) for f in fitting):
+    fitting = [
+        layout
+        for f in PACKED_FORMATS
+        if k % (SUPER if f.factored else f.block) == 0
+        for layout in dict.fromkeys([f, f.for_activations("int8")])
+    ]
+    found = [f for f in fitting if (q_shape, sm_shape) == f.shapes(n, k)]
+    if k == 0 or not found:
         expected = " or ".join(
             f"{list(f.shapes(n, k)[0])} / {list(f.shapes(n, k)[1])}" for f in fitting
         )
@@ -182,6 +216,7 @@ def _check_copy_shapes(quantized: tuple[TensorValue, TensorValue], n: int, k: in
             f"q {list(q_shape)} / sm {list(sm_shape)} are not a packed quantized "
             f"[{n}, {k}] weight (expected {expected or 'K a multiple of 16'})"
         )
+    return found[0]
 
 
 def gather_quantized(

@@ -54,6 +54,12 @@ Q5_0 and Q5_1 take a byte a weight (the file 0.69 and 0.75), Q2_K, Q3_K and
 Q5_K six bits with blocks of 16 (0.91 bytes; the file 0.33, 0.43 and 0.69);
 Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56), IQ4_NL
 and IQ4_XS 10 (the files 4.5 and 4.25).
+
+Under ``MAXKV_ACTIVATIONS=int8`` (:data:`ACTIVATIONS`) the integers are laid out
+as an int8 copy instead (:attr:`PackedFormat.int8`, the same bytes, four rows
+along ``K`` interleaved per column: :class:`TileBuilder`), which the kernel
+multiplies by activations quantized to int8 per block: approximate products,
+no longer the float32 ones.
 """
 
 from __future__ import annotations
@@ -72,6 +78,14 @@ BLOCK = 32
 TILE = 64
 #: Weights along ``K`` per pair of float32 factors of a factored copy (GGML's super-block).
 SUPER = 256
+#: Columns of a group of an int8 copy (:class:`TileBuilder`): 4 a tile.
+GROUP_COLS = 16
+#: Rows along ``K`` an int8 copy interleaves per column.
+QUAD = 4
+#: How the linear layers multiply held integers (``MAXKV_ACTIVATIONS``): by
+#: float32 activations (the dequantized weights' exact products), or by
+#: activations quantized to int8 per block (:class:`TileBuilder`'s int8 copy).
+ACTIVATIONS = ("float32", "int8")
 #: The 16-bit float types a :class:`Floats16` holds, in the order their ``sm``
 #: shape names them (``[tiles, 1 + index, 1, 64]``).
 FLOAT_TYPES = ("bfloat16", "float16")
@@ -101,27 +115,45 @@ class PackedFormat(NamedTuple):
     as :class:`Factors` (4 bits in blocks of 32, or 6 in blocks of 16), else
     stored as float32 (4 bits in blocks of 32, 8 in blocks of 32 or 16).
     ``floating``: a 16-bit float type of :data:`FLOAT_TYPES` (``bits`` 16,
-    ``block`` 1, no scales: :class:`Floats16`), else ``""``.  The one place
-    the shapes of ``(q, sm)`` are written (see :class:`TileBuilder`).
+    ``block`` 1, no scales: :class:`Floats16`), else ``""``.  ``int8``: the
+    integers laid out as an int8 copy, which the kernel multiplies by int8
+    activations (``MAXKV_ACTIVATIONS=int8``; :class:`TileBuilder`), else by
+    rows.  The one place the shapes of ``(q, sm)`` are written.
     """
 
     bits: int
     block: int
     factored: bool = False
     floating: str = ""
+    int8: bool = False
 
     @staticmethod
-    def check(bits: int, block: int, factored: bool = False, floating: str = "") -> PackedFormat:
+    def check(
+        bits: int, block: int, factored: bool = False, floating: str = "", int8: bool = False
+    ) -> PackedFormat:
         """The format, after checking it is one the kernel reads."""
-        fmt = PackedFormat(bits, block, factored, floating)
-        if fmt not in PACKED_FORMATS:
+        fmt = PackedFormat(bits, block, factored, floating, int8)
+        if fmt.by_rows not in PACKED_FORMATS or (int8 and floating):
             raise ValueError(
                 f"the kernel reads 4-bit integers in blocks of 32 and 8-bit ones in blocks "
                 f"of 32 or 16 with float32 scales, 4-bit ones in blocks of 32 or 6-bit "
                 f"ones in blocks of 16 with factored scales, and bfloat16 or float16 "
-                f"values, not {fmt}"
+                f"values (integers only as an int8 copy), not {fmt}"
             )
         return fmt
+
+    @property
+    def by_rows(self) -> PackedFormat:
+        """The same numbers laid out by rows (multiplied by float32 activations)."""
+        return self._replace(int8=False)
+
+    def for_activations(self, activations: str) -> PackedFormat:
+        """The layout this format is held in for ``activations`` (one of
+        :data:`ACTIVATIONS`): integers as an int8 copy under ``"int8"``; 16-bit
+        floats, and everything under ``"float32"``, by rows."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        return self._replace(int8=activations == "int8" and not self.floating)
 
     @staticmethod
     def floats(floating: str) -> PackedFormat:
@@ -138,7 +170,10 @@ class PackedFormat(NamedTuple):
         return 2 + 2 * (SUPER // self.block) // 4 if self.factored else 2
 
     def q_shape(self, tiles: int, k: int) -> tuple[int, int, int]:
-        """``q``: uint8 ``[tiles, K, 64 * bits / 8]``."""
+        """``q``: uint8 ``[tiles, K, 64 * bits / 8]``; an int8 copy ``[tiles * 64 / 16,
+        K / 4, 64 * bits / 8]`` (groups of 16 columns, 4 rows interleaved)."""
+        if self.int8:
+            return (tiles * (TILE // GROUP_COLS), k // QUAD, TILE * self.bits // 8)
         return (tiles, k, TILE * self.bits // 8)
 
     def sm_shape(self, tiles: int, k: int) -> tuple[int, int, int, int]:
@@ -163,10 +198,12 @@ class PackedFormat(NamedTuple):
         bits, k = int(q_shape[2]) * 8 // TILE, int(q_shape[1])
         if int(sm_shape[2]) == 1 and 1 <= int(sm_shape[1]) <= len(FLOAT_TYPES):
             return PackedFormat.check(*PackedFormat.floats(FLOAT_TYPES[int(sm_shape[1]) - 1]))
+        int8 = int(q_shape[0]) == int(sm_shape[0]) * (TILE // GROUP_COLS)
+        k = k * QUAD if int8 else k
         if int(sm_shape[2]) == 2:
-            return PackedFormat.check(bits, k // int(sm_shape[1]))
+            return PackedFormat.check(bits, k // int(sm_shape[1]), int8=int8)
         block = 2 * SUPER // (4 * (int(sm_shape[2]) - 2))
-        return PackedFormat.check(bits, block, True)
+        return PackedFormat.check(bits, block, True, int8=int8)
 
 
 #: The formats the kernel reads (``mojo_ops/cpu/linear.mojo``).
@@ -389,11 +426,12 @@ class BlockQuantized:
             factors,
         )
 
-    def pack(self) -> tuple[np.ndarray, np.ndarray]:
+    def pack(self, activations: str = "float32") -> tuple[np.ndarray, np.ndarray]:
         """``(q, sm)`` as :func:`maxkv.ops.linear_packed` takes them (see
-        :class:`TileBuilder`, which lays them out)."""
+        :class:`TileBuilder`, which lays them out), for ``activations`` (one of
+        :data:`ACTIVATIONS`: ``"int8"`` lays out an int8 copy)."""
         n, k = self.shape
-        builder = TileBuilder(self.format, n, k)
+        builder = TileBuilder(self.format.for_activations(activations), n, k)
         builder.write(0, self)
         return builder.q, builder.sm
 
@@ -489,6 +527,18 @@ class TileBuilder:
     ``sm`` zeros (:meth:`PackedFormat.sm_shape`).  Padding columns are zero.  Rows may come in
     any pieces, each once (:meth:`write`), so a large matrix is never held
     unpacked whole.
+
+    An int8 copy (:attr:`PackedFormat.int8`) has the same ``sm`` and holds the
+    same integers in ``q`` ``[ceil(N / 64) * 4, K / 4, 64 * bits / 8]``: group
+    ``4 t + g`` holds columns ``64 t + 16 g ..`` of 16, and its row ``p`` the
+    rows ``4 p .. 4 p + 3`` of them, as two halves of 8 columns, each 32
+    values ``v = 4 c + i`` (column ``c`` of the half, row ``4 p + i``), so
+    one vector load gives the ``[8 columns, 4 rows]`` an int8 dot product
+    (VPMADDUBSW) multiplies by 4 activations.  8 bits: half ``h`` in bytes
+    ``32 h ..``; 4 bits: byte ``v``, half 0 in its low nibble, half 1 in its
+    high one; 6 bits: those 32 bytes of nibbles, then 16 bytes of the top
+    two bits (value ``u = 32 h + v`` in bits ``2 (u // 16)`` of byte
+    ``32 + u % 16``).
     """
 
     def __init__(self, fmt: PackedFormat, n: int, k: int) -> None:
@@ -524,17 +574,19 @@ class TileBuilder:
             block = window.reshape(stop - first, TILE, k).transpose(0, 2, 1)
             tiles[first:stop] |= block
             return
-        part = part.as_format(fmt)
+        part = part.as_format(fmt.by_rows)
         first, stop = row // TILE, -(-(row + n) // TILE)
         front, back = row - first * TILE, stop * TILE - row - n
+        per = self.q.shape[0] // self.sm.shape[0]  # q's leading rows a tile: 1, or 4 groups
+        rows = slice(first * per, stop * per)
         if front == back == 0:  # whole tiles, this part's alone: laid out in place
-            _tiles(part, fmt, front, back, self.q[first:stop], self.sm[first:stop])
+            _tiles(part, fmt, front, back, self.q[rows], self.sm[first:stop])
             return
         # Tiles shared with other parts: their columns are still zero here.
         q = np.empty(fmt.q_shape(stop - first, k), np.uint8)
         sm = np.empty(fmt.sm_shape(stop - first, k), np.float32)
         _tiles(part, fmt, front, back, q, sm)
-        self.q[first:stop] |= q
+        self.q[rows] |= q
         self.sm.view(np.uint32)[first:stop] |= sm.view(np.uint32)
 
 
@@ -562,6 +614,9 @@ def _tiles(
     src = np.ascontiguousarray(padded(part.q)).reshape(tiles, TILE, k)
     half = TILE // 2
     _tile_scales(part, fmt, tiles, padded, sm)
+    if fmt.int8:
+        _int8_tiles(src, fmt.bits, q)
+        return
     if fmt.bits == 8:
         q[:] = src.transpose(0, 2, 1)
         return
@@ -577,6 +632,24 @@ def _tiles(
         top = top[:, 0:16] | top[:, 16:32] << 2 | top[:, 32:48] << 4 | top[:, 48:64] << 6
         q[..., half:] = top.view(np.uint8).transpose(0, 2, 1)
     q[..., :half] = low.view(np.uint8).transpose(0, 2, 1)
+
+
+def _int8_tiles(src: np.ndarray, bits: int, q: np.ndarray) -> None:
+    """An int8 copy's ``q`` (:class:`TileBuilder`) of the integers ``src``
+    ``[tiles, 64, K]``, written into ``q`` ``[tiles * 4, K / 4, 64 * bits / 8]``."""
+    tiles, _, k = src.shape
+    groups = TILE // GROUP_COLS
+    # [tile, group, K / 4, half, 8 columns, 4 rows]: value v = 4 c + i of each half.
+    values = src.reshape(tiles, groups, 2, 8, k // QUAD, QUAD).transpose(0, 1, 4, 2, 3, 5)
+    values = values.reshape(tiles * groups, k // QUAD, 2, 8 * QUAD)
+    if bits == 8:
+        q[:] = values.reshape(q.shape)
+        return
+    q[..., :32] = (values[:, :, 0] & 15) | ((values[:, :, 1] & 15) << 4)
+    if bits == 6:
+        # Value u = 32 h + v's top two bits: bits 2 (u // 16) of byte 32 + u % 16.
+        top = (values >> 4).reshape(tiles * groups, k // QUAD, 4, 16)
+        q[..., 32:] = top[:, :, 0] | top[:, :, 1] << 2 | top[:, :, 2] << 4 | top[:, :, 3] << 6
 
 
 def _tile_scales(

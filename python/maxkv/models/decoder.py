@@ -145,6 +145,7 @@ def graph_weights(
     quantized: Mapping[str, HeldMatrix] | None = None,
     greedy_head: bool = False,
     dtype: DType = DType.float32,
+    activations: str = "float32",
 ) -> dict[str, np.ndarray | Buffer]:
     """The weights as :func:`build_decoder_graph` names and lays them out.
 
@@ -177,6 +178,12 @@ def graph_weights(
     for graphs that output tokens through :func:`maxkv.ops.greedy_head`
     (whose exact pass reads the head in float32: the head keeps it).
 
+    ``activations`` (packed): how the held integer matrices are multiplied, one
+    of :data:`~maxkv.cpu.quantized.ACTIVATIONS` (``"int8"``: laid out as int8
+    copies, :meth:`~maxkv.cpu.quantized.PackedFormat.for_activations`; their
+    products are then the int8-quantized activations' instead of the exact
+    float32 ones).
+
     ``dtype`` bfloat16 (unpacked only): every weight but the RoPE table
     (float32) as a host bfloat16 :class:`~max.driver.Buffer`.
 
@@ -198,7 +205,10 @@ def graph_weights(
     quant_formats: dict[str, PackedFormat] = {}
     # The file's blocks, read by every step (and gathered from, for the embedding).
     stems = held_pieces(config, held, greedy_head=greedy_head) if packed and held else {}
-    for stem, (q, sm, fmt) in (load_or_pack(held, stems, _held_tiles) if held else {}).items():
+    pack = functools.partial(_held_tiles, activations=activations)
+    for stem, (q, sm, fmt) in (
+        load_or_pack(held, stems, pack, activations) if held else {}
+    ).items():
         out[f"{stem}.q"], out[f"{stem}.sm"], quant_formats[stem] = q, sm, fmt
     if config.qkv_bias:
         for i in range(config.num_hidden_layers):
@@ -215,8 +225,8 @@ def graph_weights(
             blocks = [c for c in (quantized[p] for p in parts) if isinstance(c, BlockQuantized)]
             copy = BlockQuantized.concat(blocks) if len(blocks) == len(parts) else None
             if copy is not None and copy.exactly(matrix):  # held as the file stores it
-                out[f"{name}.q"], out[f"{name}.sm"] = copy.pack()
-                quant_formats[name] = copy.format
+                out[f"{name}.q"], out[f"{name}.sm"] = copy.pack(activations)
+                quant_formats[name] = copy.format.for_activations(activations)
                 continue
         out[name] = kvops.pack_linear_weight(matrix) if packed else matrix
     # A tied head held as a copy alone is the embedding's table too.
@@ -314,16 +324,18 @@ PACK_THREADS = 8
 
 
 def _held_tiles(
-    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]]
+    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]], *, activations: str = "float32"
 ) -> dict[str, tuple[np.ndarray, np.ndarray, PackedFormat]]:
     """Graph weight name -> ``(q, sm, format)``: each entry's held matrices stacked by
-    rows in the tile layout (:class:`~maxkv.cpu.quantized.TileBuilder`), read
+    rows in the tile layout (:class:`~maxkv.cpu.quantized.TileBuilder`) for
+    ``activations`` (:meth:`~maxkv.cpu.quantized.PackedFormat.for_activations`), read
     :data:`PACK_WEIGHTS` weights at a time, one matrix per CPU core at once (up to
     :data:`PACK_THREADS`; NumPy releases the GIL), each part's file pages released
     once it is laid out."""
 
     def lay_out(parts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, PackedFormat]:
         fmt, n, k = blocks.stacked(parts)
+        fmt = fmt.for_activations(activations)
         builder = TileBuilder(fmt, n, k)
         row, step = 0, max(PACK_WEIGHTS // k // TILE, 1) * TILE
         for part in parts:
@@ -697,6 +709,12 @@ class DecoderModel:
         self.device = device
         ref = DeviceRef.from_device(device)
         packed = uses_packed_kernels(ref, dtype)
+        mode = kvops.activations()
+        if mode != "float32" and not packed:
+            raise ValueError(
+                f"MAXKV_ACTIVATIONS={mode} is read by the CPU's float32 kernels; this model "
+                f"computes in {dtype} on {device.label}"
+            )
         #: Whether next tokens come from :func:`maxkv.ops.greedy_head`.
         head = matrix_sources(config, packed=True)["lm_head"][0]
         self.greedy_head = (
@@ -723,12 +741,17 @@ class DecoderModel:
                 quantized=quantized if packed else None,
                 greedy_head=self.greedy_head,
                 dtype=dtype,
+                activations=mode,
             )
         else:
             assert prepared is not None
             registry = _check_prepared(prepared, graph_weight_shapes(config, packed=packed))
         #: Matrix name -> layout of the quantized copy it is held as (no float32 copy).
         self.quant_formats = quantized_formats(registry)
+        #: ``MAXKV_ACTIVATIONS`` as this model reads it.
+        self.activations = mode
+        #: The matrices multiplied by int8 activations (``MAXKV_ACTIVATIONS=int8``).
+        self.int8_matrices = sorted(n for n, f in self.quant_formats.items() if f.int8)
         graph = build_decoder_graph(
             config,
             params,
@@ -743,6 +766,22 @@ class DecoderModel:
         self._model: Model = load_graph(session, graph, weights_registry=registry)
         # The graph reads these arrays where they lie: they live as long as the model.
         self._weights = registry
+
+    def describe_arithmetic(self) -> str:
+        """How the linear layers multiply (``MAXKV_ACTIVATIONS``), for a startup log."""
+        if self.activations == "float32":
+            return "MAXKV_ACTIVATIONS=float32: every matmul in float32 (exact products)"
+        held = len(self.int8_matrices)
+        if not held:
+            return (
+                f"MAXKV_ACTIVATIONS={self.activations} changes nothing here: no matrix is "
+                "held as integer blocks (a GGUF's), every matmul is float32"
+            )
+        return (
+            f"MAXKV_ACTIVATIONS={self.activations}: the {held} matrices held as integer "
+            "blocks are multiplied by activations quantized to int8 per block of 32 or 16; "
+            "other matrices and attention in float32"
+        )
 
     @property
     def max_positions(self) -> int:

@@ -55,10 +55,13 @@ def load_or_pack(
     blocks: FileBlocks,
     matrices: Mapping[str, Sequence[str]],
     pack: Callable[[FileBlocks, Mapping[str, Sequence[str]]], dict[str, Tiles]],
+    activations: str = "float32",
 ) -> dict[str, Tiles]:
     """``pack(blocks, matrices)``, or the same tiles from the disk cache.
 
-    ``matrices``: graph weight name -> the held matrices it stacks by rows.
+    ``matrices``: graph weight name -> the held matrices it stacks by rows;
+    ``activations``: the layout ``pack`` gives them
+    (:meth:`~maxkv.cpu.quantized.PackedFormat.for_activations`).
     The cache is skipped without ``MAXKV_PACKED_CACHE`` or where ``blocks``
     does not know its file; a cache that cannot be read or written is
     reported on stderr and the tiles are packed as usual.
@@ -66,11 +69,11 @@ def load_or_pack(
     if not matrices or not settings.PACKED_CACHE.read() or blocks.source is None:
         return pack(blocks, matrices)
     try:
-        folder = cache_dir() / "packed" / cache_key(blocks, matrices)
+        folder = cache_dir() / "packed" / cache_key(blocks, matrices, activations)
     except OSError as error:  # the file is gone or unreadable: nothing to key
         _say(f"not cached ({error})")
         return pack(blocks, matrices)
-    expected = _expected_shapes(blocks, matrices)
+    expected = _expected_shapes(blocks, matrices, activations)
     if folder.is_dir():
         found = _read(folder, expected)
         if found is not None:
@@ -81,13 +84,17 @@ def load_or_pack(
     return tiles
 
 
-def cache_key(blocks: FileBlocks, matrices: Mapping[str, Sequence[str]]) -> str:
-    """The digest naming the folder of ``matrices``' tiles from ``blocks``' file."""
+def cache_key(
+    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]], activations: str = "float32"
+) -> str:
+    """The digest naming the folder of ``matrices``' tiles from ``blocks``' file,
+    laid out for ``activations``."""
     assert blocks.source is not None
     source = blocks.source.resolve()
     stat = source.stat()
     recipe = {
         "layout": LAYOUT_VERSION,
+        "activations": activations,
         "file": [str(source), stat.st_size, stat.st_mtime_ns, stat.st_ino],
         "matrices": {
             stem: [blocks.identity(part) for part in parts] for stem, parts in matrices.items()
@@ -102,12 +109,13 @@ Expected = tuple[PackedFormat, tuple[int, ...], tuple[int, ...]]
 
 
 def _expected_shapes(
-    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]]
+    blocks: FileBlocks, matrices: Mapping[str, Sequence[str]], activations: str
 ) -> dict[str, Expected]:
     """Graph weight -> ``(format, q shape, sm shape)`` the layout gives it."""
     out: dict[str, Expected] = {}
     for stem, parts in matrices.items():
         fmt, n, k = blocks.stacked(parts)
+        fmt = fmt.for_activations(activations)
         out[stem] = (fmt, *fmt.shapes(n, k))
     return out
 

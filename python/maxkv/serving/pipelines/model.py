@@ -287,6 +287,7 @@ class MaxkvPipelineModel(LogProbabilitiesMixin, PipelineModelWithKVCache):
         #: CacheBlend of prompts with chunks (``MAXKV_BLEND``), or ``None``.
         self.blender = self._blender(config, weights, session, path)
         logger.info("maxkv: %s, %s", path, self.maxkv_manager.describe())
+        logger.info("maxkv: %s", self.decoder.describe_arithmetic())
         for name in settings.unknown():
             logger.warning("maxkv: %s is set but maxkv reads no such variable (a typo?)", name)
         if self.blender is not None:
