@@ -22,8 +22,12 @@ file is written first if missing), in a fresh process each time, one at a time:
   (``VmHWM``) of the process.
 - ``--activations``: the maxkv measurement once per ``MAXKV_ACTIVATIONS`` mode
   given, a row each (llama.cpp's figures repeated in each).
+- ``--prefill N``: also the prefill of an ``N``-token prompt (the opening of
+  the GPL-3 text, ``/usr/share/common-licenses``) and its first token, in a
+  cache of ``N + 16`` tokens, median of the repeats: prompt tokens/s.
 - llama.cpp (``--llama-bench``): ``llama-bench -m FILE -p 0 -n new_tokens -t
-  <cores>``, its tokens/s, and the peak resident memory of that process.
+  <cores>``, its tokens/s, and the peak resident memory of that process; with
+  ``--prefill N``, ``llama-bench -p N -n 0`` too.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ def _peak_mib() -> float:
     return float("nan")
 
 
-def measure_maxkv(path: Path, new_tokens: int, repeats: int, decode: bool) -> dict[str, Any]:
+LONG_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def measure_maxkv(
+    path: Path, new_tokens: int, repeats: int, decode: bool, prefill: int = 0
+) -> dict[str, Any]:
     """One process's measurement (see the module docstring)."""
     import numpy as np
     from max.driver import CPU
@@ -69,7 +78,7 @@ def measure_maxkv(path: Path, new_tokens: int, repeats: int, decode: bool) -> di
     session = InferenceSession(devices=[device])
     config = model.config
     manager = ContinuousBatchingKVCacheManager(
-        cache_params(config), 1, 512, config.num_hidden_layers, [device], session
+        cache_params(config), 1, max(512, prefill + 16), config.num_hidden_layers, [device], session
     )
     decoder = DecoderModel(config, model.weights, manager, session, quantized=model.quantized)
     row: dict[str, Any] = {
@@ -90,9 +99,9 @@ def measure_maxkv(path: Path, new_tokens: int, repeats: int, decode: bool) -> di
     assert model.tokenizer is not None
     prompt = model.tokenizer.encode_chat(PROMPT)
 
-    def generate(tokens: int) -> float:
+    def generate(tokens: int, ids: list[int] = prompt) -> float:
         scheduler = ContinuousBatchingScheduler(decoder, manager, 1, 1, stop_at_eos=False)
-        scheduler.submit(prompt, tokens)
+        scheduler.submit(ids, tokens)
         began = time.perf_counter()
         scheduler.run()
         return time.perf_counter() - began
@@ -113,12 +122,40 @@ def measure_maxkv(path: Path, new_tokens: int, repeats: int, decode: bool) -> di
         "fraction_of_read_bandwidth": round(streamed * rate / (bandwidth * 1e9), 3),
         "peak_rss_mib": round(_peak_mib()),
     }
+    if prefill:
+        long = model.tokenizer.encode(LONG_TEXT.read_text())[:prefill]
+        if len(long) < prefill:
+            raise SystemExit(f"{LONG_TEXT} has {len(long)} tokens, fewer than {prefill}")
+        seconds = float(np.median([generate(1, long) for _ in range(repeats)]))
+        row |= {
+            "prefill_tokens": prefill,
+            "prefill_s": round(seconds, 2),
+            "prefill_tokens_per_s": round(prefill / seconds, 1),
+            "peak_rss_mib": round(_peak_mib()),
+        }
     return row
 
 
-def measure_llama_cpp(binary: Path, path: Path, new_tokens: int) -> dict[str, Any]:
+def measure_llama_cpp(
+    binary: Path, path: Path, new_tokens: int, prefill: int = 0
+) -> dict[str, Any]:
+    row = _llama_bench(binary, path, 0, new_tokens)
+    if prefill:
+        prompt = _llama_bench(binary, path, prefill, 0, repetitions=2)
+        row |= {
+            "prefill_command": prompt["command"],
+            "prefill_tokens_per_s": prompt["decode_tokens_per_s"],
+        }
+    return row
+
+
+def _llama_bench(
+    binary: Path, path: Path, prompt: int, new_tokens: int, repetitions: int = 5
+) -> dict[str, Any]:
+    """``llama-bench`` of one test: its tokens/s (under ``decode_tokens_per_s``) and peak RSS."""
     threads = str(os.cpu_count() or 1)
-    command = [str(binary), "-m", str(path), "-p", "0", "-n", str(new_tokens), "-t", threads]
+    command = [str(binary), "-m", str(path), "-p", str(prompt), "-n", str(new_tokens)]
+    command += ["-t", threads, "-r", str(repetitions)]
     process = subprocess.Popen([*command, "-o", "json"], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     output = process.stdout.read()
@@ -142,8 +179,10 @@ def _child(
     decode: bool,
     activations: str,
     packed_cache: bool = True,
+    prefill: int = 0,
 ) -> dict[str, Any]:
     command = [sys.executable, __file__, shape, "--child", "--new-tokens", str(new_tokens)]
+    command += ["--prefill", str(prefill)]
     command += ["--mix", mix]
     command += ["--repeats", str(repeats)] + ([] if decode else ["--no-decode"])
     env = os.environ | {
@@ -166,6 +205,7 @@ def main() -> None:
     parser.add_argument(
         "--activations", default="float32", help="MAXKV_ACTIVATIONS modes, by commas"
     )
+    parser.add_argument("--prefill", type=int, default=0, help="also a prompt of this many tokens")
     parser.add_argument("--llama-bench", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -188,7 +228,8 @@ def main() -> None:
         paths[shape] = path if path.is_file() or args.child else write(shape, folder, mix=args.mix)
     if args.child:
         (shape,) = args.shapes
-        row = measure_maxkv(paths[shape], args.new_tokens, args.repeats, not args.no_decode)
+        decode = not args.no_decode
+        row = measure_maxkv(paths[shape], args.new_tokens, args.repeats, decode, args.prefill)
         print(json.dumps(row))
         return
     from maxkv.cpu.features import cpu_flags
@@ -204,7 +245,7 @@ def main() -> None:
     for shape, path in paths.items():
         llama_cpp = None
         if args.llama_bench:
-            llama_cpp = measure_llama_cpp(args.llama_bench, path, args.new_tokens)
+            llama_cpp = measure_llama_cpp(args.llama_bench, path, args.new_tokens, args.prefill)
         for mode in args.activations.split(","):
             row: dict[str, Any] = {"shape": shape, "file": path.name, "activations": mode}
             if llama_cpp is not None:
@@ -216,11 +257,15 @@ def main() -> None:
                 "load_and_compile_s": first["load_s"],
                 "load_packing_s": packing["load_s"],
                 "load_packing_peak_rss_mib": packing["peak_rss_mib"],
-            } | child(decode=True, activations=mode)
+            } | child(decode=True, activations=mode, prefill=args.prefill)
             if llama_cpp is not None:
                 row["decode_vs_llama_cpp"] = round(
                     row["maxkv"]["decode_tokens_per_s"] / llama_cpp["decode_tokens_per_s"], 3
                 )
+                if args.prefill:
+                    row["prefill_vs_llama_cpp"] = round(
+                        row["maxkv"]["prefill_tokens_per_s"] / llama_cpp["prefill_tokens_per_s"], 3
+                    )
             print(json.dumps(row, indent=2), flush=True)
             rows.append(row)
     if args.json:
@@ -240,8 +285,22 @@ def main() -> None:
             }
             for row in rows
         ]
-        document = {"machine": machine, "rows": arith}
-        args.arith_json.write_text(json.dumps(document, indent=2) + "\n")
+        arith += [
+            {
+                "model": f"{row['shape']} ({args.mix} fixture)",
+                "mode": row["activations"],
+                "concurrency": 1,
+                "workload": f"{args.prefill}-token prefill",
+                "maxkv_tok_s": row["maxkv"]["prefill_tokens_per_s"],
+                "llamacpp_tok_s": row.get("llama_cpp", {}).get("prefill_tokens_per_s"),
+                "maxkv_peak_rss_mib": row["maxkv"]["peak_rss_mib"],
+            }
+            for row in rows
+            if args.prefill
+        ]
+        from maxkv_bench.report import merge_arith
+
+        merge_arith(args.arith_json, machine, arith)
 
 
 def _cpu_name() -> str:

@@ -59,6 +59,9 @@ SHAPES = {
     "gemma3.down": (640, 2048),
     "llama3b.gate_up": (16384, 3072),
     "llama3b.down": (3072, 8192),
+    "llama3b.qkv": (5120, 3072),
+    "llama3b.o": (3072, 3072),
+    "llama3b.head": (128256, 3072),
 }
 DEFAULT_SHAPES = ("smollm2.gate_up", "smollm2.down", "gemma3.gate_up", "gemma3.down")
 FORMATS = PACKED_FORMATS
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [format_name(f) for f in FORMATS]
     parser.add_argument("--formats", default=",".join(names), help=f"of {','.join(names)}")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float32")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per call")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     formats = [f for f in FORMATS if format_name(f) in args.formats.split(",")]
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             f32 = build(session, f"f32_{tag}", n, k, {"w": w})
             quant = build(session, f"q_{tag}", n, k, {"q": q, "sm": sm})
             f32_bytes, q_bytes = w.nbytes, q.nbytes + sm.nbytes
-            for m in ROWS:
+            for m in map(int, args.rows.split(",")):
                 x = Buffer.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
                 a = f32.execute(x)[0].to_numpy()  # type: ignore[attr-defined]
                 b = quant.execute(x)[0].to_numpy()  # type: ignore[attr-defined]

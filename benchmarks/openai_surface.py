@@ -12,6 +12,16 @@ perplexity of every window's tokens after its first, against transformers'
 (float32 weights, float64 ``log_softmax``) on the same windows: the
 relative difference, and each encoding's against float32 KV's.
 
+With ``--gguf FILE`` (``--model`` naming its Hugging Face directory) the
+perplexity is llama.cpp's instead, on that file, once per
+``--activations`` mode (``MAXKV_ACTIVATIONS``; a server each, float32 KV):
+the text tokenized by ``llama-tokenize`` (``--llama-cpp-bin``), cut into
+``--windows`` chunks of ``--window`` tokens, each chunk's first token
+replaced by BOS where the vocabulary adds one, and only the second half of
+each chunk scored, as ``llama-perplexity -c WINDOW --chunks WINDOWS`` scores
+it; ``llama-perplexity`` itself runs on the same file and text, and each
+mode is reported against float32's and against llama.cpp's.
+
 ``choices``: a chat question behind the ~600-token system prompt of
 ``benchmarks/serve.py``, sampled (temperature 1, seeded), ``--max-tokens``
 new tokens (EOS ignored), three ways, alternating ``--repeats`` times with
@@ -36,7 +46,9 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +75,7 @@ def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def server_args(args: argparse.Namespace, flags: list[str], env: list[str]) -> argparse.Namespace:
     return argparse.Namespace(
+        gguf=getattr(args, "gguf", None),
         max_length=args.max_length,
         server_args=["--kv-cache-page-size", str(PAGE), *flags],
         maxkv_env=env,
@@ -141,6 +154,91 @@ def perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[st
         "window_tokens": args.window,
         "scored_tokens": tokens,
         "transformers_perplexity": reference,
+        "maxkv": runs,
+    }
+
+
+def llama_cpp_tokens(binaries: Path, gguf: Path, text: Path) -> tuple[list[int], int | None]:
+    """The text's token ids as llama.cpp reads it, and its BOS id where it adds one."""
+
+    def ids(*flags: str) -> list[int]:
+        command = [str(binaries / "llama-tokenize"), "-m", str(gguf), "-f", str(text)]
+        out = subprocess.run(
+            [*command, "--ids", "--log-disable", *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return [int(t) for t in json.loads(out.strip().splitlines()[-1])]
+
+    tokens, bare = ids(), ids("--no-bos")
+    return tokens, (tokens[0] if len(tokens) == len(bare) + 1 else None)
+
+
+def llama_cpp_perplexity(binaries: Path, gguf: Path, text: Path, ctx: int, chunks: int) -> float:
+    """``llama-perplexity``'s final estimate on ``chunks`` chunks of ``ctx`` tokens."""
+    command = [str(binaries / "llama-perplexity"), "-m", str(gguf), "-f", str(text)]
+    out = subprocess.run(
+        [*command, "-c", str(ctx), "--chunks", str(chunks), "-t", str(os.cpu_count() or 1)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if found is None:
+        raise RuntimeError(f"no final estimate from llama-perplexity:\n{out.stderr[-2000:]}")
+    return float(found.group(1))
+
+
+def gguf_perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
+    """llama.cpp's perplexity (see the module docstring) per activation mode."""
+    binaries, ctx = args.llama_cpp_bin, args.window
+    tokens, bos = llama_cpp_tokens(binaries, args.gguf, LONG_DOCUMENT_PATH)
+    count = min(args.windows, len(tokens) // ctx)
+    chunks = [tokens[i * ctx : (i + 1) * ctx] for i in range(count)]
+    if bos is not None:
+        chunks = [[bos, *chunk[1:]] for chunk in chunks]
+    first = ctx // 2  # llama-perplexity scores tokens first + 1 .. ctx - 1 of a chunk
+    scored = count * (ctx - 1 - first)
+    started = time.perf_counter()
+    reference = llama_cpp_perplexity(binaries, args.gguf, LONG_DOCUMENT_PATH, ctx, count)
+    print(f"llama-perplexity: {reference:.4f} ({time.perf_counter() - started:.1f} s)", flush=True)
+    runs: dict[str, Any] = {}
+    for mode in args.activations.split(","):
+        flags = ["--max-batch-size", "4", "--kv-cache-format", "float32"]
+        env = [f"MAXKV_ACTIVATIONS={mode}"]
+        with server(
+            "maxkv", model_dir, 4, server_args(args, flags, env), work / f"{mode}.log"
+        ) as url:
+            started = time.perf_counter()
+            nll = 0.0
+            for ids in chunks:
+                answer = post(
+                    url,
+                    "/v1/completions",
+                    {"model": str(model_dir), "prompt": ids, "echo": True}
+                    | {"logprobs": 1, "max_tokens": 0},
+                )
+                values = answer["choices"][0]["logprobs"]["token_logprobs"]
+                assert len(values) == len(ids), len(values)
+                nll -= float(sum(values[first + 1 :]))
+            elapsed = time.perf_counter() - started
+        value = math.exp(nll / scored)
+        runs[mode] = {"perplexity": value, "seconds": elapsed}
+        print(f"maxkv {mode}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
+    base = runs.get("float32", {}).get("perplexity")
+    for run in runs.values():
+        run["relative_to_llama_cpp"] = run["perplexity"] / reference - 1
+        if base is not None:
+            run["relative_to_float32"] = run["perplexity"] / base - 1
+    return {
+        "text": str(LONG_DOCUMENT_PATH),
+        "gguf": str(args.gguf),
+        "chunks": count,
+        "chunk_tokens": ctx,
+        "scored_tokens": scored,
+        "bos": bos,
+        "llama_cpp_perplexity": reference,
         "maxkv": runs,
     }
 
@@ -268,6 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gguf", type=Path, help="llama.cpp's perplexity on this file")
+    parser.add_argument("--activations", default="float32,int8", help="MAXKV_ACTIVATIONS modes")
+    parser.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=Path("/tmp/llama-build/bin"),
+        help="llama.cpp's built tools (llama-tokenize, llama-perplexity)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model_dir = model_directory(args.model)
@@ -280,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         parts = args.parts.split(",")
         if "perplexity" in parts:
-            out["perplexity"] = perplexity(args, model_dir, work)
+            measure = gguf_perplexity if args.gguf else perplexity
+            out["perplexity"] = measure(args, model_dir, work)
         if "choices" in parts:
             out["choices"] = choices(args, model_dir, work)
     print(json.dumps(out, indent=1, default=str)[:6000])

@@ -31,6 +31,11 @@ run one after the other, never at once.  Workloads:
   answer F1 against the gold answers, and how many first streamed pieces
   equal those of ``maxkv`` (the same server prefilling every token).
 
+The ``maxkv-int8`` side is ``max serve`` on maxkv with
+``MAXKV_ACTIVATIONS=int8`` (a GGUF's integer blocks multiplied by int8
+activations); it is compared with every other side, ``maxkv`` (float32
+activations) included: how many of its greedy texts equal float32's.
+
 Greedy (temperature 0) everywhere.  Per side and workload: output tokens/s
 (all output tokens / wall time of the workload), the server's peak resident
 memory so far (``VmHWM`` summed over its processes), time to first token and
@@ -68,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-SIDES = ("maxkv", "max", "vllm", "maxkv-blend", "llamacpp")
+SIDES = ("maxkv", "max", "vllm", "maxkv-blend", "llamacpp", "maxkv-int8")
 WORKLOADS = ("plain", "system", "multiturn", "longdoc", "rag")
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -260,7 +265,7 @@ def server(
         "--devices",
         "cpu",
         "--quantization-encoding",
-        "float32",
+        getattr(args, "max_encoding", "float32") if side == "max" else "float32",
         "--max-batch-size",
         str(concurrency),
         "--max-length",
@@ -322,6 +327,8 @@ def server(
         env.update(dict(kv.split("=", 1) for kv in args.maxkv_env))
         if side == "maxkv-blend":
             env["MAXKV_BLEND"] = "1"
+        if side == "maxkv-int8":
+            env["MAXKV_ACTIVATIONS"] = "int8"
     log = log_path.open("w")
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -731,8 +738,9 @@ def profile(batches: dict[str, dict[str, Any]], elapsed: float) -> dict[str, flo
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """maxkv / each other side (MAX, vLLM) per workload and concurrency; for ``rag``,
-    ``maxkv-blend`` / each other side (``maxkv`` included) where it ran."""
+    """maxkv / each other side (MAX, vLLM, llama.cpp) per workload and concurrency;
+    for ``rag``, ``maxkv-blend`` / each other side (``maxkv`` included) where it
+    ran; ``maxkv-int8`` / each other side (``maxkv`` included)."""
     rows = []
     by_key = {(r["side"], r["workload"], r["concurrency"]): r for r in runs}
     for (side, workload, concurrency, peer), ours in sorted(
@@ -741,6 +749,10 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         theirs = by_key.get((peer, workload, concurrency))
         blend_ran = ("maxkv-blend", workload, concurrency) in by_key
         base = "maxkv-blend" if workload == "rag" and blend_ran else "maxkv"
+        if side == "maxkv-int8":
+            base = side
+        elif peer == "maxkv-int8":
+            continue  # compared the other way round
         if side != base or peer == base or theirs is None:
             continue
         same = sum(
@@ -759,6 +771,7 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "workload": workload,
                 "concurrency": concurrency,
+                "side": side,
                 "against": peer,
                 "throughput_ratio": ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
                 "ttft_p50_ratio": ratio(ours["ttft_s"]["p50"], theirs["ttft_s"]["p50"]),
@@ -772,6 +785,38 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "requests": len(ours["texts"]),
             }
         )
+    return rows
+
+
+def arith_rows(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The maxkv sides' runs as rows of ``arith_<isa>.json``, llama.cpp's beside them."""
+    by_key = {(r["side"], r["workload"], r["concurrency"]): r for r in runs}
+    env = dict(kv.split("=", 1) for kv in args.maxkv_env)
+    model = Path(args.gguf).name if args.gguf else Path(runs[0]["model"]).name if runs else ""
+    rows = []
+    for run in runs:
+        if run["side"] not in ("maxkv", "maxkv-int8"):
+            continue
+        mode = "int8" if run["side"] == "maxkv-int8" else env.get("MAXKV_ACTIVATIONS", "float32")
+        peer = by_key.get(("llamacpp", run["workload"], run["concurrency"]))
+        row: dict[str, Any] = {
+            "model": model,
+            "mode": mode,
+            "concurrency": run["concurrency"],
+            "workload": f"{run['workload']} ({getattr(args, 'api', 'chat')})",
+            "maxkv_tok_s": round(run["tokens_per_s"], 2),
+            "llamacpp_tok_s": round(peer["tokens_per_s"], 2) if peer else None,
+            "maxkv_ttft_p50_s": run["ttft_s"]["p50"],
+            "maxkv_itl_p90_s": run["itl_s"]["p90"],
+            "maxkv_peak_rss_mib": run["peak_rss_mib"],
+        }
+        if peer:
+            row |= {
+                "llamacpp_ttft_p50_s": peer["ttft_s"]["p50"],
+                "llamacpp_itl_p90_s": peer["itl_s"]["p90"],
+                "llamacpp_peak_rss_mib": peer["peak_rss_mib"],
+            }
+        rows.append(row)
     return rows
 
 
@@ -810,7 +855,7 @@ def print_table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
         def f(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f}x"
 
-        ours = "maxkv-blend" if row["workload"] == "rag" else "maxkv"
+        ours = row["side"]
         quality = ""
         if row.get("answer_f1_ratio") is not None:
             quality = (
@@ -842,8 +887,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     x = np.arange(len(groups))
+    ran = [side for side in SIDES if any(r["side"] == side for r in runs)]
+    width = 0.84 / max(1, len(ran))
     for ax, (name, pct, title) in zip(axes, metrics, strict=True):
-        for k, side in enumerate(SIDES):
+        for k, side in enumerate(ran):
             values = []
             for g in groups:
                 run = next(
@@ -856,12 +903,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
                 )
                 value = None if run is None else (run[name] if pct is None else run[name][pct])
                 values.append(np.nan if value is None else value)
-            label = {"maxkv": "maxkv", "max": "MAX pipeline", "vllm": "vLLM CPU"}[side]
-            ax.bar(x + (k - 1) * 0.28, values, 0.28, label=label)
+            label = {"max": "MAX pipeline", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}.get(
+                side, side
+            )
+            ax.bar(x + (k - (len(ran) - 1) / 2) * width, values, width, label=label)
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_title(title, fontsize=10)
     axes[0].legend()
-    fig.suptitle(f"Serving on a CPU, float32: {Path(runs[0]['model']).name if runs else ''}")
+    fig.suptitle(f"Serving on a CPU: {Path(runs[0]['model']).name if runs else ''}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -896,6 +945,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="a GGUF file: llamacpp serves it, maxkv reads its weights (--weight-path); "
         "--model names the matching Hugging Face directory (or maxkv model)",
+    )
+    parser.add_argument(
+        "--max-encoding",
+        default="float32",
+        help="the max side's --quantization-encoding (q4_k: MAX's own pipeline reads a "
+        "Q4_K_M GGUF's q4_k and q6_k blocks on the CPU)",
     )
     parser.add_argument(
         "--llama-server",
@@ -936,6 +991,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         help="NAME=VALUE for maxkv's server only (e.g. MAXKV_CACHE=contiguous)",
+    )
+    parser.add_argument(
+        "--arith-json",
+        type=Path,
+        help="also add the maxkv sides' rows to the arithmetic results (model, mode, "
+        "concurrency, workload, maxkv_tok_s, llamacpp_tok_s, ...)",
     )
     parser.add_argument("--logs", type=Path, help="keep the server logs in this folder")
     parser.add_argument("--json", type=Path)
@@ -1018,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
             "api": args.api,
             "server_args": args.server_args,
             "maxkv_env": args.maxkv_env,
+            "max_encoding": args.max_encoding,
         },
         "elapsed_s": time.time() - started,
         "comparison": rows,
@@ -1028,6 +1090,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:
         plot(runs, args.plot)
+    if args.arith_json:
+        from maxkv_bench.report import merge_arith
+
+        merge_arith(args.arith_json, results["machine"], arith_rows(runs, args))
     print(f"server logs: {logs}", file=sys.stderr)
     return 0
 

@@ -41,6 +41,24 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def merge_arith(path: Path, machine: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Adds ``rows`` to the arithmetic results at ``path`` (``arith_<isa>.json``: one
+    row per model, mode, concurrency and workload), replacing the rows they measure
+    again; each row keeps the machine it was measured on and the time."""
+    import json
+    import time
+
+    key = ("model", "mode", "concurrency", "workload")
+    kept: list[dict[str, Any]] = []
+    if path.is_file():
+        kept = json.loads(path.read_text()).get("rows", [])
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    new = [row | {"machine": machine, "measured": stamp} for row in rows]
+    fresh = {tuple(row[k] for k in key) for row in new}
+    rows = [row for row in kept if tuple(row.get(k) for k in key) not in fresh] + new
+    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
 def print_summary(results: dict[str, Any]) -> None:
     """Prints every section of a benchmark run that is present."""
     machine = results["machine"]
