@@ -112,8 +112,11 @@ def transformers_nll(model_dir: Path, pieces: list[list[int]]) -> list[float]:
     return out
 
 
-def served_nll(url: str, model: str, pieces: list[list[int]]) -> tuple[list[float], float]:
-    """Per window, the negative log-likelihood through ``echo``; and the wall time."""
+def served_nll(
+    url: str, model: str, pieces: list[list[int]], scored_from: int = 1
+) -> tuple[list[float], float]:
+    """Per window, the negative log-likelihood through ``echo`` of its tokens from
+    ``scored_from`` on; and the wall time."""
     started = time.perf_counter()
     nll = []
     for ids in pieces:
@@ -124,7 +127,7 @@ def served_nll(url: str, model: str, pieces: list[list[int]]) -> tuple[list[floa
         )
         values = answer["choices"][0]["logprobs"]["token_logprobs"]
         assert values[0] is None and len(values) == len(ids), len(values)
-        nll.append(-float(sum(values[1:])))
+        nll.append(-float(sum(values[scored_from:])))
     return nll, time.perf_counter() - started
 
 
@@ -210,20 +213,8 @@ def gguf_perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> di
         with server(
             "maxkv", model_dir, 4, server_args(args, flags, env), work / f"{mode}.log"
         ) as url:
-            started = time.perf_counter()
-            nll = 0.0
-            for ids in chunks:
-                answer = post(
-                    url,
-                    "/v1/completions",
-                    {"model": str(model_dir), "prompt": ids, "echo": True}
-                    | {"logprobs": 1, "max_tokens": 0},
-                )
-                values = answer["choices"][0]["logprobs"]["token_logprobs"]
-                assert len(values) == len(ids), len(values)
-                nll -= float(sum(values[first + 1 :]))
-            elapsed = time.perf_counter() - started
-        value = math.exp(nll / scored)
+            nll, elapsed = served_nll(url, str(model_dir), chunks, scored_from=first + 1)
+        value = math.exp(sum(nll) / scored)
         runs[mode] = {"perplexity": value, "seconds": elapsed}
         print(f"maxkv {mode}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
     base = runs.get("float32", {}).get("perplexity")
