@@ -131,26 +131,50 @@ def served_nll(
     return nll, time.perf_counter() - started
 
 
+def served_perplexities(
+    args: argparse.Namespace,
+    model_dir: Path,
+    work: Path,
+    servers: dict[str, tuple[list[str], list[str]]],
+    pieces: list[list[int]],
+    scored_from: int,
+    scored: int,
+) -> dict[str, Any]:
+    """Per named maxkv server (its flags and environment), one after another: the
+    perplexity of ``pieces``' tokens from ``scored_from`` on (``scored`` in all)."""
+    runs: dict[str, Any] = {}
+    for name, (flags, env) in servers.items():
+        with server(
+            "maxkv", model_dir, 4, server_args(args, flags, env), work / f"{name}.log"
+        ) as url:
+            nll, elapsed = served_nll(url, str(model_dir), pieces, scored_from)
+        value = math.exp(sum(nll) / scored)
+        runs[name] = {"perplexity": value, "seconds": elapsed}
+        print(f"maxkv {name}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
+    return runs
+
+
+def relative(runs: dict[str, Any], reference: float, against: str, to_float32: str) -> None:
+    """Adds each run's perplexity relative to ``reference`` (as ``against``) and to
+    the ``float32`` run's (as ``to_float32``) where that ran."""
+    base = runs.get("float32", {}).get("perplexity")
+    for run in runs.values():
+        run[against] = run["perplexity"] / reference - 1
+        if base is not None:
+            run[to_float32] = run["perplexity"] / base - 1
+
+
 def perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
     pieces = windows(model_dir, args.windows, args.window)
     tokens = sum(len(p) - 1 for p in pieces)
     reference = math.exp(sum(transformers_nll(model_dir, pieces)) / tokens)
     print(f"transformers: perplexity {reference:.4f} over {tokens} tokens", flush=True)
-    runs: dict[str, Any] = {}
-    for encoding in args.encodings.split(","):
-        flags = ["--max-batch-size", "4", "--kv-cache-format", encoding]
-        with server(
-            "maxkv", model_dir, 4, server_args(args, flags, []), work / f"{encoding}.log"
-        ) as url:
-            nll, elapsed = served_nll(url, str(model_dir), pieces)
-        value = math.exp(sum(nll) / tokens)
-        runs[encoding] = {"perplexity": value, "seconds": elapsed}
-        print(f"maxkv {encoding}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
-    base = runs.get("float32", {}).get("perplexity")
-    for run in runs.values():
-        run["relative_to_transformers"] = run["perplexity"] / reference - 1
-        if base is not None:
-            run["relative_to_float32_kv"] = run["perplexity"] / base - 1
+    servers = {
+        encoding: (["--max-batch-size", "4", "--kv-cache-format", encoding], [])
+        for encoding in args.encodings.split(",")
+    }
+    runs = served_perplexities(args, model_dir, work, servers, pieces, 1, tokens)
+    relative(runs, reference, "relative_to_transformers", "relative_to_float32_kv")
     return {
         "text": str(LONG_DOCUMENT_PATH),
         "windows": args.windows,
@@ -206,22 +230,15 @@ def gguf_perplexity(args: argparse.Namespace, model_dir: Path, work: Path) -> di
     started = time.perf_counter()
     reference = llama_cpp_perplexity(binaries, args.gguf, LONG_DOCUMENT_PATH, ctx, count)
     print(f"llama-perplexity: {reference:.4f} ({time.perf_counter() - started:.1f} s)", flush=True)
-    runs: dict[str, Any] = {}
-    for mode in args.activations.split(","):
-        flags = ["--max-batch-size", "4", "--kv-cache-format", "float32"]
-        env = [f"MAXKV_ACTIVATIONS={mode}"]
-        with server(
-            "maxkv", model_dir, 4, server_args(args, flags, env), work / f"{mode}.log"
-        ) as url:
-            nll, elapsed = served_nll(url, str(model_dir), chunks, scored_from=first + 1)
-        value = math.exp(sum(nll) / scored)
-        runs[mode] = {"perplexity": value, "seconds": elapsed}
-        print(f"maxkv {mode}: perplexity {value:.4f} ({elapsed:.1f} s)", flush=True)
-    base = runs.get("float32", {}).get("perplexity")
-    for run in runs.values():
-        run["relative_to_llama_cpp"] = run["perplexity"] / reference - 1
-        if base is not None:
-            run["relative_to_float32"] = run["perplexity"] / base - 1
+    servers = {
+        mode: (
+            ["--max-batch-size", "4", "--kv-cache-format", "float32"],
+            [f"MAXKV_ACTIVATIONS={mode}"],
+        )
+        for mode in args.activations.split(",")
+    }
+    runs = served_perplexities(args, model_dir, work, servers, chunks, first + 1, scored)
+    relative(runs, reference, "relative_to_llama_cpp", "relative_to_float32")
     return {
         "text": str(LONG_DOCUMENT_PATH),
         "gguf": str(args.gguf),
