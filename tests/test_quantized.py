@@ -118,6 +118,33 @@ def test_every_block_type_reads_as_gguf_dequantizes_it(type_name: str) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("type_name", "d"), [("Q6_K", 4096.0), ("Q3_K", -32768.0)])
+def test_k_quants_past_float16_range_keep_plain_scales(type_name: str, d: float) -> None:
+    """A Q6_K block whose ``-32 d`` (Q3_K: ``-4 d``) is no float16 cannot be held
+    with float16 factors: its copy takes plain float32 scales, 8 bits in blocks of
+    16, and still holds exactly what ``gguf`` dequantizes; a row beside it in the
+    same matrix with a small ``d`` changes nothing."""
+    import gguf
+    from gguf import quants
+
+    rng = np.random.default_rng(73)
+    raw = random_blocks(type_name, 2, 512, rng).reshape(2, 2, -1)
+    at = raw.shape[-1] - 2  # the float16 d, the last field of both types
+    raw[0, 1, at:] = np.array([d], "<f2").view(np.uint8)
+    expected = quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(2, 512)
+    copy = from_gguf_blocks(type_name, raw, (2, 512))
+    assert copy.factors is None and copy.format == PackedFormat(8, 16)
+    assert copy.exactly(expected)
+    # Every copy the ordinary blocks give is factored, with float16 factors only.
+    small = from_gguf_blocks(type_name, random_blocks(type_name, 2, 512, rng), (2, 512))
+    assert small.factors is not None
+    with pytest.raises(ValueError, match="float16 values"):
+        BlockQuantized.factored(
+            small.q, small.factors.d * np.float32(1 + 2**-20), small.factors.m, 6, 16
+        )
+
+
+@pytest.mark.unit
 def test_a_k_quant_file_gets_an_exact_copy_of_every_matrix(tmp_path: Path) -> None:
     """A Q4_K_M-style file (llama.cpp's mix: Q4_K, Q5_0, Q6_K, Q8_0 matrices): every
     graph matrix, stacked ones included, gets a copy holding exactly what
@@ -179,7 +206,7 @@ def test_a_gguf_matrix_is_never_held_as_float32(
     # The embedding's own Q4_K tiles (2 of 64 rows, factored scales) beside the
     # Q6_K head's.
     assert registry["embed_tokens.q"].shape == (2, 256, 32)
-    assert registry["embed_tokens.sm"].shape == (2, 1, 6, 64)
+    assert registry["embed_tokens.sm"].shape == (2, 1, 5, 64)
     assert registry["lm_head.q"].shape == (2, 256, 48)
     # Tied: one table, the head's, which the embedding gathers from.
     tied = tmp_path / "tiny-tied.gguf"
@@ -343,7 +370,8 @@ def _tile_layout(copy: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
     j | column j + 32 << 4, 6-bit the same 32 bytes then byte 32 + j = the top
     two bits of columns j, j + 16, j + 32, j + 48 from the lowest up; sm plain
     ``[tiles, K / block, 2, 64]``; factored ``[tiles, K / 256, slots, 64]``: the
-    factors' two rows, then the int8 multipliers ``[256 / block, 2, 64]``."""
+    factors' two rows as float16 in one slot, then the int8 multipliers ``[256 /
+    block, 2, 64]``."""
     n, k = copy.shape
     fmt = copy.format
     tiles = -(-n // 64)
@@ -369,7 +397,8 @@ def _tile_layout(copy: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
     dd[:n] = d
     mm = np.zeros((tiles * 64, k // 256, per, 2), np.int8)
     mm[:n] = m.reshape(n, k // 256, per, 2)
-    factors = dd.reshape(tiles, 64, k // 256, 2).transpose(0, 2, 3, 1)  # [tiles, S, 2, 64]
+    factors = dd.astype(np.float16).reshape(tiles, 64, k // 256, 2).transpose(0, 2, 3, 1)
+    factors = np.ascontiguousarray(factors).view(np.float32).reshape(tiles, k // 256, 1, 64)
     mult = mm.reshape(tiles, 64, k // 256, per * 2).transpose(0, 2, 3, 1)
     mult = np.ascontiguousarray(mult).view(np.float32).reshape(tiles, k // 256, -1, 64)
     return q, np.concatenate([factors, mult], axis=2)

@@ -22,7 +22,7 @@ use MAX's matmul (see `maxkv.ops.linear`).
 weights (GGUF's blocks, `maxkv.cpu.quantized`: 4-bit integers with a float32
 scale and offset per 32 weights along K, or 8-bit ones per 32 or 16; or, for
 the K-quants, 4-bit integers per 32 or 6-bit ones per 16 whose scales and
-offsets are products of two float32 factors per 256 weights and two int8
+offsets are products of two float16 factors per 256 weights and two int8
 multipliers per block, see `_scales`): steps of up
 to `QUANT_MAX_ROWS` rows stream that copy, 3 to 7 times fewer bytes, and
 dequantize each tile row in registers with one rounding per weight, so the
@@ -98,10 +98,11 @@ comptime I8_MAX = 127
 
 def sm_slots[QB: Int, FACT: Bool]() -> Int:
     """float32 rows of 64 in `sm` per block (`FACT` False: a scale and an offset)
-    or, factored, per `SUPER_K` rows: two float32 factors, then the int8
-    multipliers of its `SUPER_K / QB` blocks, four to a float32 slot."""
+    or, factored, per `SUPER_K` rows: one of its two float16 factors `[2, 64]`,
+    then the int8 multipliers of its `SUPER_K / QB` blocks, four to a float32
+    slot."""
     comptime if FACT:
-        return 2 + 2 * (SUPER_K // QB) // 4
+        return 1 + 2 * (SUPER_K // QB) // 4
     return 2
 
 
@@ -112,21 +113,24 @@ def _scales[C: Int, QB: Int, FACT: Bool](
     """Block `kb`'s scale and offset for columns `C0 .. C0 + C` of a tile.
 
     Plain (`FACT` False): stored, `sm[kb, 0 | 1, j]`.  Factored: the products
-    `d[0, j] * a[kb, j]` and `d[1, j] * b[kb, j]` of its super-block's float32
+    `d[0, j] * a[kb, j]` and `d[1, j] * b[kb, j]` of its super-block's float16
     factors and its int8 multipliers, exact in float32 (a float16 times an
-    integer below 2^7), so the same values the plain layout stores.
+    integer of at most 2^7), so the same values the plain layout stores.
     """
     var out = StaticTuple[SIMD[DType.float32, C], 2](fill=SIMD[DType.float32, C](0))
     comptime if FACT:
         comptime PER = SUPER_K // QB
         var base = sm.unsafe_offset((kb // PER) * sm_slots[QB, FACT]() * TILE)
-        var mult = base.unsafe_offset(2 * TILE).unsafe_bitcast[Int8]().unsafe_offset(
+        var d = base.unsafe_bitcast[Float16]()
+        var mult = base.unsafe_offset(TILE).unsafe_bitcast[Int8]().unsafe_offset(
             (kb % PER) * 2 * TILE + C0
         )
-        out[0] = base.unsafe_load[width=C](C0) * mult.unsafe_load[width=C](0).cast[DType.float32]()
-        out[1] = base.unsafe_load[width=C](TILE + C0) * mult.unsafe_load[width=C](TILE).cast[
-            DType.float32
-        ]()
+        out[0] = d.unsafe_load[width=C](C0).cast[DType.float32]() * mult.unsafe_load[
+            width=C
+        ](0).cast[DType.float32]()
+        out[1] = d.unsafe_load[width=C](TILE + C0).cast[DType.float32]() * mult.unsafe_load[
+            width=C
+        ](TILE).cast[DType.float32]()
     else:
         out[0] = sm.unsafe_load[width=C](kb * 2 * TILE + C0)
         out[1] = sm.unsafe_load[width=C](kb * 2 * TILE + TILE + C0)
@@ -809,9 +813,9 @@ comptime Q8 = 1
 comptime Q8_SMALL = 2
 """8-bit integers, a float32 scale and offset per `QBLOCK_SMALL`."""
 comptime Q4_FACTORED = 3
-"""4-bit integers, int8 multipliers per `QBLOCK` and float32 factors per `SUPER_K` (Q4_K)."""
+"""4-bit integers, int8 multipliers per `QBLOCK` and float16 factors per `SUPER_K` (Q4_K)."""
 comptime Q6_FACTORED = 4
-"""6-bit integers, int8 multipliers per `QBLOCK_SMALL` and float32 factors per
+"""6-bit integers, int8 multipliers per `QBLOCK_SMALL` and float16 factors per
 `SUPER_K` (Q6_K, and Q2_K, Q3_K, Q5_K's integers)."""
 comptime BF16_FLOATS = 5
 """bfloat16 values, no scales (a bfloat16 checkpoint's matrices)."""

@@ -16,10 +16,13 @@ copy, :meth:`BlockQuantized.exactly` checks it weight by weight,
 Every type :func:`from_gguf_blocks` reads is of that form, with each
 ``q * scale`` exact in float32 (a float16 times integers of at most 13 bits),
 so ``fma`` rounds once where ``gguf.quants.dequantize`` rounds once.  The
-K-quants keep their factoring (:class:`Factors`): per 256 weights two float32
+K-quants keep their factoring (:class:`Factors`): per 256 weights two float16
 factors (``d`` and ``-dmin``, or ``d`` and ``-32 d``), per block two int8
 multipliers (``sc`` and ``m``), so the kernel computes each scale and offset
-as one exact product and the copy holds about the file's bytes:
+as one exact product and the copy holds about the file's bytes.  A factor
+that is not a float16 (Q6_K's ``-32 d`` past float16's range, ``|d| > 2047``;
+Q3_K's ``-4 d`` past it) leaves that matrix with plain float32 scales
+(8 bits in blocks of 16): same values, more bytes.
 
 =======  ==========  =====  =====================================================
 type     q stored    block  scale, offset
@@ -30,10 +33,10 @@ Q5_0     8 bits (5)  32     ``d``, ``-16 d``
 Q5_1     8 bits (5)  32     ``d``, ``m``
 Q8_0     8 bits      32     ``d``, ``-128 d``
 Q4_K     4 bits      32     ``d * sc``, ``-(dmin * m)`` (6-bit ``sc``, ``m``)
-Q5_K     8 bits (5)  32     ``d * sc``, ``-(dmin * m)``
-Q6_K     8 bits (6)  16     ``d * sc``, ``-32 d * sc`` (int8 ``sc``)
-Q2_K     8 bits (2)  16     ``d * sc``, ``-(dmin * m)`` (4-bit ``sc``, ``m``)
-Q3_K     8 bits (3)  16     ``d * sc``, ``-4 d * sc`` (6-bit ``sc - 32``)
+Q5_K     6 bits (5)  32     ``d * sc``, ``-(dmin * m)``
+Q6_K     6 bits      16     ``d * sc``, ``-32 d * sc`` (int8 ``sc``)
+Q2_K     6 bits (2)  16     ``d * sc``, ``-(dmin * m)`` (4-bit ``sc``, ``m``)
+Q3_K     6 bits (3)  16     ``d * sc``, ``-4 d * sc`` (6-bit ``sc - 32``)
 IQ4_NL   8 bits      32     ``d``, ``-128 d``
 IQ4_XS   8 bits      32     ``d * (ls - 32)``, ``-128 d * (ls - 32)`` (6-bit ``ls``)
 =======  ==========  =====  =====================================================
@@ -49,11 +52,11 @@ GGUF's ``F16`` and ``BF16`` matrices) is held as those values
 exactly, so the kernel multiplies the checkpoint's own values.
 
 The kernel reads 4-, 6- and 8-bit integers and 16-bit floats
-(:data:`PACKED_FORMATS`), so
-Q5_0 and Q5_1 take a byte a weight (the file 0.69 and 0.75), Q2_K, Q3_K and
-Q5_K six bits with blocks of 16 (0.91 bytes; the file 0.33, 0.43 and 0.69);
-Q4_K takes 4.75 bits a weight (the file 4.5), Q6_K 7.25 (the file 6.56), IQ4_NL
-and IQ4_XS 10 (the files 4.5 and 4.25).
+(:data:`PACKED_FORMATS`), so, in bits a weight with the scales: Q4_0 and
+Q4_1 take 6 (the files 4.5 and 5), Q5_0, Q5_1 and Q8_0 10 (the files 5.5, 6
+and 8.5), Q2_K, Q3_K and Q5_K six-bit integers in blocks of 16, 7.125 (the
+files 2.63, 3.44 and 5.5); Q4_K takes 4.625 (the file 4.5: 1.03x), Q6_K 7.125
+(the file 6.56: 1.09x), IQ4_NL and IQ4_XS 10 (the files 4.5 and 4.25).
 
 Under ``MAXKV_ACTIVATIONS=int8`` (:data:`ACTIVATIONS`) the integers are laid out
 as an int8 copy instead (:attr:`PackedFormat.int8`, the same bytes, four rows
@@ -98,9 +101,10 @@ class Factors(NamedTuple):
     """A K-quant's scales and offsets as products: ``scale = d[..., 0] * m[..., 0]``
     and ``offset = d[..., 1] * m[..., 1]`` per block.
 
-    ``d`` float32 ``[N, K / 256, 2]`` (per super-block of 256 weights), ``m``
-    int8 ``[N, K / block, 2]`` (per block).  Each product is exact in float32
-    (``d`` a float16 times a power of two, ``m`` below 2^7 in size).
+    ``d`` float32 ``[N, K / 256, 2]`` (per super-block of 256 weights), each a
+    float16 value (the copy holds them as float16), ``m`` int8 ``[N, K / block,
+    2]`` (per block).  Each product is exact in float32 (a float16 times an
+    integer of at most 2^7 in size).
     """
 
     d: np.ndarray
@@ -163,11 +167,11 @@ class PackedFormat(NamedTuple):
     @property
     def slots(self) -> int:
         """Rows of 64 float32 in ``sm`` per block (plain) or per super-block (factored):
-        a scale and an offset, or two factors and the int8 multipliers, four a slot
-        (16-bit floats: one, never read)."""
+        a scale and an offset, or one of the two float16 factors then the int8
+        multipliers, four a slot (16-bit floats: one, never read)."""
         if self.floating:
             return 1
-        return 2 + 2 * (SUPER // self.block) // 4 if self.factored else 2
+        return 1 + 2 * (SUPER // self.block) // 4 if self.factored else 2
 
     def q_shape(self, tiles: int, k: int) -> tuple[int, int, int]:
         """``q``: uint8 ``[tiles, K, 64 * bits / 8]``; an int8 copy ``[tiles * 64 / 16,
@@ -202,7 +206,7 @@ class PackedFormat(NamedTuple):
         k = k * QUAD if int8 else k
         if int(sm_shape[2]) == 2:
             return PackedFormat.check(bits, k // int(sm_shape[1]), int8=int8)
-        block = 2 * SUPER // (4 * (int(sm_shape[2]) - 2))
+        block = 2 * SUPER // (4 * (int(sm_shape[2]) - 1))
         return PackedFormat.check(bits, block, True, int8=int8)
 
 
@@ -321,9 +325,7 @@ class BlockQuantized:
             ValueError: If the shapes or dtypes do not fit (see :class:`Factors`).
         """
         _check_factors(q, Factors(d, m), bits, block)
-        times = SUPER // block
-        scale = np.repeat(d[..., 0], times, axis=1) * m[..., 0].astype(np.float32)
-        offset = np.repeat(d[..., 1], times, axis=1) * m[..., 1].astype(np.float32)
+        scale, offset = _products(d, m, block)
         return BlockQuantized(q, scale, offset, bits, block, Factors(d, m))
 
     @property
@@ -521,12 +523,12 @@ class TileBuilder:
     (column ``j`` in bits ``2 (j // 16)`` of byte ``32 + j % 16``).  ``sm``
     float32 ``[ceil(N / 64), K / block, 2, 64]``: each block's scales, then
     offsets; factored, ``[ceil(N / 64), K / 256, slots, 64]``: per 256 rows
-    the two factors ``d``, then the bytes of the int8 multipliers ``m``
-    ``[256 / block, 2, 64]``.  16-bit floats: ``q`` ``[ceil(N / 64), K,
-    128]``, column ``j`` in bytes ``2 j`` and ``2 j + 1`` (little-endian), and
-    ``sm`` zeros (:meth:`PackedFormat.sm_shape`).  Padding columns are zero.  Rows may come in
-    any pieces, each once (:meth:`write`), so a large matrix is never held
-    unpacked whole.
+    one slot of the two factors ``d`` as float16 ``[2, 64]``, then the bytes
+    of the int8 multipliers ``m`` ``[256 / block, 2, 64]``.  16-bit floats:
+    ``q`` ``[ceil(N / 64), K, 128]``, column ``j`` in bytes ``2 j`` and ``2 j +
+    1`` (little-endian), and ``sm`` zeros (:meth:`PackedFormat.sm_shape`).
+    Padding columns are zero.  Rows may come in any pieces, each once
+    (:meth:`write`), so a large matrix is never held unpacked whole.
 
     An int8 copy (:attr:`PackedFormat.int8`) has the same ``sm`` and holds the
     same integers in ``q`` ``[ceil(N / 64) * 4, K / 4, 64 * bits / 8]``: group
@@ -669,11 +671,13 @@ def _tile_scales(
         return
     d, m = part.factors
     supers, per = k // SUPER, SUPER // fmt.block
-    sm[:, :, 0:2] = padded(d).reshape(tiles, TILE, supers, 2).transpose(0, 2, 3, 1)
+    assert sm.flags.c_contiguous, "the reshapes below must be views of sm"
+    halves = sm.view(np.float16).reshape(tiles, supers, fmt.slots * 2 * TILE)
+    factors = padded(d).astype(np.float16).reshape(tiles, TILE, supers, 2)
+    halves[:, :, : 2 * TILE] = factors.transpose(0, 2, 3, 1).reshape(tiles, supers, 2 * TILE)
     mult = padded(m).reshape(tiles, TILE, supers, per, 2).transpose(0, 2, 3, 4, 1)
-    assert sm.flags.c_contiguous, "the reshape below must be a view of sm"
     sm_bytes = sm.view(np.int8).reshape(tiles, supers, fmt.slots * 4 * TILE)
-    sm_bytes[:, :, 2 * 4 * TILE :] = mult.reshape(tiles, supers, per * 2 * TILE)
+    sm_bytes[:, :, 4 * TILE :] = mult.reshape(tiles, supers, per * 2 * TILE)
 
 
 def _check_factors(q: np.ndarray, factors: Factors, bits: int, block: int) -> None:
@@ -691,6 +695,24 @@ def _check_factors(q: np.ndarray, factors: Factors, bits: int, block: int) -> No
         )
     if m.dtype != np.int8 or m.shape != (n, k // block, 2):
         raise ValueError(f"factors.m must be int8 [{n}, {k // block}, 2], got {m.dtype} {m.shape}")
+    if not _float16_values(d):
+        raise ValueError("factors.d must hold float16 values (the copy holds them as float16)")
+
+
+def _float16_values(values: np.ndarray) -> bool:
+    """Whether every value of ``values`` (float32) is a float16 value exactly."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
+def _products(d: np.ndarray, m: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, ``(scale, offset)`` float32 ``[N, K / block]`` of factors ``d``
+    ``[N, K / 256, 2]`` and multipliers ``m`` ``[N, K / block, 2]``, computed in
+    float32 as the kernel computes them."""
+    times = SUPER // block
+    scale = np.repeat(d[..., 0], times, axis=1) * m[..., 0].astype(np.float32)
+    offset = np.repeat(d[..., 1], times, axis=1) * m[..., 1].astype(np.float32)
+    return scale, offset
 
 
 def _exact_products(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
@@ -759,13 +781,17 @@ def _factored(
 ) -> BlockQuantized:
     """A K-quant ``[N, K / 256, 256]`` as a factored copy: ``scale = d[0] * m[0]``,
     ``offset = d[1] * m[1]`` (``d`` float32 ``[N, K / 256]`` each, ``m`` integers
-    ``[N, K / 256, 256 / block]`` each)."""
+    ``[N, K / 256, 256 / block]`` each); where a factor is not a float16 value
+    (Q6_K's ``-32 d`` for ``|d| > 2047``), the same products as plain scales,
+    8 bits in blocks of ``block``."""
     n = q.shape[0]
     factors = np.stack([d[0].reshape(n, -1), d[1].reshape(n, -1)], axis=-1)
     mult = np.stack([m[0].reshape(n, -1), m[1].reshape(n, -1)], axis=-1).astype(np.int8)
-    return BlockQuantized.factored(
-        np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8), factors, mult, bits, block
-    )
+    q = np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8)
+    if _float16_values(factors):
+        return BlockQuantized.factored(q, factors, mult, bits, block)
+    scale, offset = _products(factors, mult, block)
+    return BlockQuantized(q, scale, offset, 8, block)
 
 
 def from_file_bytes(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> HeldMatrix:

@@ -45,7 +45,7 @@ from .held import FileBlocks
 Tiles = tuple[np.ndarray, np.ndarray, PackedFormat]
 
 #: Bumped whenever the tile layout or the way a format is chosen changes.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 #: Bytes hashed or copied at a time.
 _CHUNK = 1 << 24
