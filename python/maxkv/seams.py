@@ -1,4 +1,4 @@
-"""Every name of MAX's that maxkv replaces, wraps, overrides or relies on privately.
+"""Every name of MAX's that maxkv replaces, wraps, overrides, reads or imports privately.
 
 ``maxkv.pipelines`` runs inside MAX's pipeline and server; where MAX offers no
 hook it changes a MAX name (replaced for a while, wrapped for the process,
@@ -15,13 +15,18 @@ This module imports nothing of maxkv (or of MAX until a seam is resolved).
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-#: How maxkv touches a seam.
-SeamUse = Literal["replaced", "wrapped", "overridden", "extended", "private"]
+#: How maxkv touches a seam: replaced for a while, wrapped for the process,
+#: overridden in a subclass, extended (a collection maxkv adds to), private (a
+#: name imported from MAX), read (an attribute of MAX's objects maxkv reads or
+#: calls: a method, or an attribute MAX's ``__init__`` sets).
+SeamUse = Literal["replaced", "wrapped", "overridden", "extended", "private", "read"]
 
 
 class SeamMovedError(RuntimeError):
@@ -68,15 +73,19 @@ class Seam:
         return owner
 
     def resolve(self) -> Any:
-        """MAX's object behind the name.
+        """MAX's object behind the name; for an attribute each instance holds
+        (``read``, declared or set as ``self.<name>`` in the class or a base),
+        the class.
 
         Raises:
             SeamMovedError: If MAX no longer has it there.
         """
         owner = self.owner()
-        if not hasattr(owner, self.attribute):
-            raise SeamMovedError(self._moved(f"no attribute {self.attribute!r}"))
-        return getattr(owner, self.attribute)
+        if hasattr(owner, self.attribute):
+            return getattr(owner, self.attribute)
+        if self.use == "read" and inspect.isclass(owner) and _instances_hold(owner, self.attribute):
+            return owner
+        raise SeamMovedError(self._moved(f"no attribute {self.attribute!r}"))
 
     @contextmanager
     def replaced(self, value: Any) -> Iterator[None]:
@@ -101,7 +110,22 @@ class Seam:
         )
 
 
+def _instances_hold(cls: type, name: str) -> bool:
+    """Whether ``cls`` or a base declares ``name`` or sets ``self.<name>``."""
+    for base in cls.__mro__:
+        if name in getattr(base, "__annotations__", {}):
+            return True
+        try:
+            source = inspect.getsource(base)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"self\.{re.escape(name)}\s*[:=]", source):
+            return True
+    return False
+
+
 _TEXT_GENERATION = "max.pipelines.lib.pipeline_variants.text_generation"
+_TOKENIZER = "max.pipelines.lib.tokenizer"
 
 #: MAX's pipeline builds a paged manager right after the model; while
 #: ``MaxkvTextGenerationPipeline`` is constructed it builds maxkv's adapter instead.
@@ -176,6 +200,43 @@ SPECULATIVE_METRICS = Seam(
     "max.pipelines.speculative.utils", "_SpeculativeDecodingMetrics", "private",
     "speculation reports acceptance in MAX's metrics type",
 )  # fmt: skip
+#: What maxkv's pipeline reads of MAX's: its model, its KV manager (maxkv's
+#: adapter), the batch record MAX's ``prepare_batch`` writes.
+PIPELINE_MODEL = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline._pipeline_model", "read",
+    "MaxkvTextGenerationPipeline asks maxkv's model for a step's inputs and log probabilities",
+)  # fmt: skip
+KV_MANAGER = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline._kv_manager", "read",
+    "MaxkvTextGenerationPipeline reserves a step's drafts through maxkv's adapter",
+)  # fmt: skip
+RECORD_BATCH_INFO = Seam(
+    _TEXT_GENERATION, "TextGenerationPipeline._record_batch_info", "read",
+    "MaxkvTextGenerationPipeline.prepare_batch records a step with drafts as MAX's does",
+)  # fmt: skip
+LOGPROBS_MODEL = Seam(
+    "max.pipelines.lib.log_probabilities", "LogProbabilitiesMixin._logprobs_model", "read",
+    "MaxkvTextGenerationPipeline computes drafts' log probabilities with MAX's graph",
+)  # fmt: skip
+#: MAX's model asks its subclass for a step's inputs by this name.
+PREPARE_TOKEN_INPUTS = Seam(
+    "max.pipelines.lib.interfaces.pipeline_model", "PipelineModel._prepare_initial_token_inputs",
+    "overridden", "MaxkvPipelineModel builds a step's inputs over maxkv's cache",
+)  # fmt: skip
+#: The tokenizer's encoding of a request's prompt.
+GENERATE_PROMPT = Seam(
+    _TOKENIZER, "TextTokenizer._generate_prompt_and_token_ids", "overridden",
+    "MaxkvTextTokenizer encodes a blended prompt piece by piece, without its separators",
+)  # fmt: skip
+ENCODE_CHAT_PROMPT = Seam(
+    _TOKENIZER, "TextTokenizer._encode_chat_prompt", "read",
+    "MaxkvTextTokenizer encodes a rendered chat prompt with no separator as MAX does",
+)  # fmt: skip
+#: A graph value's MLIR value: what identifies it within its graph.
+MLIR_VALUE = Seam(
+    "max.graph.value", "Value._mlir_value", "read",
+    "graph.ops checks a graph's row offsets once per value, keyed by it",
+)  # fmt: skip
 
 #: Every seam.
 SEAMS: tuple[Seam, ...] = (
@@ -195,4 +256,12 @@ SEAMS: tuple[Seam, ...] = (
     OPAQUE_TYPE,
     OPAQUE_VALUE,
     SPECULATIVE_METRICS,
+    PIPELINE_MODEL,
+    KV_MANAGER,
+    RECORD_BATCH_INFO,
+    LOGPROBS_MODEL,
+    PREPARE_TOKEN_INPUTS,
+    GENERATE_PROMPT,
+    ENCODE_CHAT_PROMPT,
+    MLIR_VALUE,
 )
