@@ -214,7 +214,12 @@ def main() -> None:
         help="also the rows as the arithmetic results keep them (model, mode, concurrency 1, "
         "maxkv_tok_s, llamacpp_tok_s)",
     )
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child",
+        action="store_true",
+        help="one maxkv measurement of one shape in this process, printed as a JSON row "
+        "(MAXKV_ACTIVATIONS from the environment; comparing two trees: PYTHONPATH)",
+    )
     parser.add_argument("--no-decode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from maxkv.cachedir import cache_dir
