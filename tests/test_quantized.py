@@ -118,12 +118,15 @@ def test_every_block_type_reads_as_gguf_dequantizes_it(type_name: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("type_name", "d"), [("Q6_K", 4096.0), ("Q3_K", -32768.0)])
-def test_k_quants_past_float16_range_keep_plain_scales(type_name: str, d: float) -> None:
+@pytest.mark.parametrize(
+    ("type_name", "d", "largest"), [("Q6_K", 2048.0, 2047.0), ("Q3_K", -16384.0, -16376.0)]
+)
+def test_k_quants_past_float16_range_are_refused_by_name(
+    type_name: str, d: float, largest: float
+) -> None:
     """A Q6_K block whose ``-32 d`` (Q3_K: ``-4 d``) is no float16 cannot be held
-    with float16 factors: its copy takes plain float32 scales, 8 bits in blocks of
-    16, and still holds exactly what ``gguf`` dequantizes; a row beside it in the
-    same matrix with a small ``d`` changes nothing."""
+    with float16 factors: reading it raises, naming the cause, before anything
+    is laid out; the largest ``d`` that fits reads exactly."""
     import gguf
     from gguf import quants
 
@@ -131,16 +134,15 @@ def test_k_quants_past_float16_range_keep_plain_scales(type_name: str, d: float)
     raw = random_blocks(type_name, 2, 512, rng).reshape(2, 2, -1)
     at = raw.shape[-1] - 2  # the float16 d, the last field of both types
     raw[0, 1, at:] = np.array([d], "<f2").view(np.uint8)
+    with pytest.raises(ValueError, match="past float16's range"):
+        from_gguf_blocks(type_name, raw, (2, 512))
+    raw[0, 1, at:] = np.array([largest], "<f2").view(np.uint8)  # -32 d or -4 d: 65504
     expected = quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(2, 512)
     copy = from_gguf_blocks(type_name, raw, (2, 512))
-    assert copy.factors is None and copy.format == PackedFormat(8, 16)
-    assert copy.exactly(expected)
-    # Every copy the ordinary blocks give is factored, with float16 factors only.
-    small = from_gguf_blocks(type_name, random_blocks(type_name, 2, 512, rng), (2, 512))
-    assert small.factors is not None
+    assert copy.factors is not None and copy.exactly(expected)
     with pytest.raises(ValueError, match="float16 values"):
         BlockQuantized.factored(
-            small.q, small.factors.d * np.float32(1 + 2**-20), small.factors.m, 6, 16
+            copy.q, copy.factors.d * np.float32(1 + 2**-20), copy.factors.m, 6, 16
         )
 
 

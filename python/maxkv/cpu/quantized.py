@@ -19,10 +19,11 @@ so ``fma`` rounds once where ``gguf.quants.dequantize`` rounds once.  The
 K-quants keep their factoring (:class:`Factors`): per 256 weights two float16
 factors (``d`` and ``-dmin``, or ``d`` and ``-32 d``), per block two int8
 multipliers (``sc`` and ``m``), so the kernel computes each scale and offset
-as one exact product and the copy holds about the file's bytes.  A factor
-that is not a float16 (Q6_K's ``-32 d`` past float16's range, ``|d| > 2047``;
-Q3_K's ``-4 d`` past it) leaves that matrix with plain float32 scales
-(8 bits in blocks of 16): same values, more bytes.
+as one exact product and the copy holds about the file's bytes.  A block
+whose factor is not a float16 (Q6_K's ``-32 d`` past float16's range, ``|d| >
+2047``; Q3_K's ``-4 d``, ``|d| > 16376``: weights in the millions, which no
+quantizer writes for a model) is refused by name, since a matrix's format is
+known from its type before its blocks are read.
 
 =======  ==========  =====  =====================================================
 type     q stored    block  scale, offset
@@ -781,17 +782,23 @@ def _factored(
 ) -> BlockQuantized:
     """A K-quant ``[N, K / 256, 256]`` as a factored copy: ``scale = d[0] * m[0]``,
     ``offset = d[1] * m[1]`` (``d`` float32 ``[N, K / 256]`` each, ``m`` integers
-    ``[N, K / 256, 256 / block]`` each); where a factor is not a float16 value
-    (Q6_K's ``-32 d`` for ``|d| > 2047``), the same products as plain scales,
-    8 bits in blocks of ``block``."""
+    ``[N, K / 256, 256 / block]`` each).
+
+    Raises:
+        ValueError: If a factor is not a float16 value (Q6_K's ``-32 d`` for
+            ``|d| > 2047``, Q3_K's ``-4 d`` for ``|d| > 16376``).
+    """
     n = q.shape[0]
     factors = np.stack([d[0].reshape(n, -1), d[1].reshape(n, -1)], axis=-1)
+    if not _float16_values(factors):
+        worst = float(np.max(np.abs(d[0])))
+        raise ValueError(
+            f"a block's factors (d up to {worst:g}) are past float16's range, in which "
+            f"maxkv holds them: weights this large are not a model's"
+        )
     mult = np.stack([m[0].reshape(n, -1), m[1].reshape(n, -1)], axis=-1).astype(np.int8)
     q = np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8)
-    if _float16_values(factors):
-        return BlockQuantized.factored(q, factors, mult, bits, block)
-    scale, offset = _products(factors, mult, block)
-    return BlockQuantized(q, scale, offset, 8, block)
+    return BlockQuantized.factored(q, factors, mult, bits, block)
 
 
 def from_file_bytes(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> HeldMatrix:
