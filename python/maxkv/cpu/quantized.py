@@ -326,7 +326,9 @@ class BlockQuantized:
             ValueError: If the shapes or dtypes do not fit (see :class:`Factors`).
         """
         _check_factors(q, Factors(d, m), bits, block)
-        scale, offset = _products(d, m, block)
+        times = SUPER // block
+        scale = np.repeat(d[..., 0], times, axis=1) * m[..., 0].astype(np.float32)
+        offset = np.repeat(d[..., 1], times, axis=1) * m[..., 1].astype(np.float32)
         return BlockQuantized(q, scale, offset, bits, block, Factors(d, m))
 
     @property
@@ -697,23 +699,16 @@ def _check_factors(q: np.ndarray, factors: Factors, bits: int, block: int) -> No
     if m.dtype != np.int8 or m.shape != (n, k // block, 2):
         raise ValueError(f"factors.m must be int8 [{n}, {k // block}, 2], got {m.dtype} {m.shape}")
     if not _float16_values(d):
-        raise ValueError("factors.d must hold float16 values (the copy holds them as float16)")
+        raise ValueError(
+            f"factors.d must hold float16 values (the copy holds them as float16): d up to "
+            f"{float(np.max(np.abs(d))):g} is past float16's range or between its values"
+        )
 
 
 def _float16_values(values: np.ndarray) -> bool:
     """Whether every value of ``values`` (float32) is a float16 value exactly."""
     with np.errstate(over="ignore"):
         return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
-
-
-def _products(d: np.ndarray, m: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per block, ``(scale, offset)`` float32 ``[N, K / block]`` of factors ``d``
-    ``[N, K / 256, 2]`` and multipliers ``m`` ``[N, K / block, 2]``, computed in
-    float32 as the kernel computes them."""
-    times = SUPER // block
-    scale = np.repeat(d[..., 0], times, axis=1) * m[..., 0].astype(np.float32)
-    offset = np.repeat(d[..., 1], times, axis=1) * m[..., 1].astype(np.float32)
-    return scale, offset
 
 
 def _exact_products(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
@@ -790,12 +785,6 @@ def _factored(
     """
     n = q.shape[0]
     factors = np.stack([d[0].reshape(n, -1), d[1].reshape(n, -1)], axis=-1)
-    if not _float16_values(factors):
-        worst = float(np.max(np.abs(d[0])))
-        raise ValueError(
-            f"a block's factors (d up to {worst:g}) are past float16's range, in which "
-            f"maxkv holds them: weights this large are not a model's"
-        )
     mult = np.stack([m[0].reshape(n, -1), m[1].reshape(n, -1)], axis=-1).astype(np.int8)
     q = np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8)
     return BlockQuantized.factored(q, factors, mult, bits, block)
