@@ -15,6 +15,14 @@ Every test carries exactly one tier marker (checked at collection):
 A test that starts a real ``redis-server`` also carries the ``redis`` marker
 (not a tier); it skips, with the reason, where the binary is absent.
 
+A ``sweep`` case (a marker, not a tier) repeats a check the default run makes
+once, for another family, encoding, shape or server configuration.  Every
+distinct graph costs a cold compile of half a minute to several minutes on two
+cores, so the default run (the README's command, CI) checks each feature on
+one configuration and skips the sweep cases with that reason;
+``pytest --sweeps`` (or ``MAXKV_SWEEPS=1``) runs them too: before a release, and
+after a change to the kernels or to a family.
+
 ``pytest -m unit`` is the fast tier; the README's command runs them all, in two
 pytest-xdist workers (``-n 2 --dist loadfile``: a file's tests, and so its
 module-scoped servers, stay in one worker; graph compiles use about 1.3 cores
@@ -61,10 +69,38 @@ RELIABILITY_COUNTS: Counter[str] = Counter()
 TIERS = ("unit", "compile", "model", "serve", "gpu")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--sweeps",
+        action="store_true",
+        default=False,
+        help="also run the sweep cases (more families, encodings, shapes; slow when cold)",
+    )
+
+
+def sweeps_enabled(config: pytest.Config) -> bool:
+    """``--sweeps`` or ``MAXKV_SWEEPS=1``: run the ``sweep`` cases too."""
+    return bool(config.getoption("--sweeps")) or os.environ.get("MAXKV_SWEEPS") == "1"
+
+
+#: Why a sweep case is skipped by default.
+SWEEP_REASON = "a sweep case (the default run checks this on one configuration): pytest --sweeps"
+
+
+def skip_unless_sweeps(request: pytest.FixtureRequest) -> None:
+    """Skips a case chosen at run time (a fixture's parameter) outside a sweep run."""
+    if not sweeps_enabled(request.config):
+        pytest.skip(SWEEP_REASON)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test carries exactly one tier marker; GPU tests skip without a GPU."""
+    """Every test carries exactly one tier marker; GPU tests skip without a GPU;
+    ``sweep`` cases skip outside a sweep run."""
     bad = []
+    sweeps = sweeps_enabled(config)
     for item in items:
+        if item.get_closest_marker("sweep") and not sweeps:
+            item.add_marker(pytest.mark.skip(reason=SWEEP_REASON))
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
         if len(tiers) != 1:
             bad.append(f"{item.nodeid}: {tiers or 'no tier'}")

@@ -323,7 +323,11 @@ def check(
 F32_ATOL = 1e-4
 
 
-@pytest.mark.parametrize("config", [GQA_F32, GQA_F32_WINDOW], ids=["full", "window128"])
+@pytest.mark.parametrize(
+    "config",
+    [GQA_F32, pytest.param(GQA_F32_WINDOW, marks=pytest.mark.sweep)],
+    ids=["full", "window128"],
+)
 def test_gqa_prefill_decode_mixed_over_two_layers(
     layer_model: Callable[[AttentionConfig], Model],
     session: InferenceSession,
@@ -380,7 +384,11 @@ def test_mha_interleaved_rope_at_nonzero_positions(
     harness.check_cache(F32_ATOL)
 
 
-@pytest.mark.parametrize("config", [GQA_F32_STORE_ROPE, MHA_F32_STORE_ROPE], ids=["half", "pairs"])
+@pytest.mark.parametrize(
+    "config",
+    [GQA_F32_STORE_ROPE, pytest.param(MHA_F32_STORE_ROPE, marks=pytest.mark.sweep)],
+    ids=["half", "pairs"],
+)
 def test_store_kv_with_rope_matches_reference(
     layer_model: Callable[[AttentionConfig], Model],
     session: InferenceSession,
@@ -433,6 +441,7 @@ def test_store_kv_with_rope_refuses_positions_past_the_table(
 BF16_ATOL, BF16_RTOL = 6e-2, 2e-2
 
 
+@pytest.mark.sweep  # bfloat16 models: tests/test_bfloat16.py, tests/test_families.py
 def test_bf16_gqa_prefill_then_decode(
     layer_model: Callable[[AttentionConfig], Model], session: InferenceSession
 ) -> None:
@@ -487,10 +496,11 @@ def quantization_step(expected: np.ndarray, params: KVCacheParams) -> np.ndarray
     "config",
     [
         GQA_F32_CACHE_BF16,
-        MHA_F32_STORE_ROPE_CACHE_F16,
+        pytest.param(MHA_F32_STORE_ROPE_CACHE_F16, marks=pytest.mark.sweep),
         GQA_F32_CACHE_INT8,
-        GQA_F32_CACHE_FLOAT8,
-        GQA_F32_CACHE_INT4,
+        # Their writes are checked exactly in tests/test_quantized_kv.py.
+        pytest.param(GQA_F32_CACHE_FLOAT8, marks=pytest.mark.sweep),
+        pytest.param(GQA_F32_CACHE_INT4, marks=pytest.mark.sweep),
     ],
     ids=["bf16-gqa", "f16-mha", "int8-gqa", "float8-gqa", "int4-gqa"],
 )

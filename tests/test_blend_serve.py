@@ -351,6 +351,7 @@ RAG_QUESTIONS = 12
 
 
 @pytest.mark.serve
+@pytest.mark.sweep  # one more server (SmolLM2, blending); the blend itself: the test above
 def test_max_serve_blended_first_tokens_match_full_prefill_on_the_rag_corpus(
     smollm2_hf_dir: Path, tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,6 +154,20 @@ F32_ATOL = 1e-5
 # bf16 as in test_attention: the output is rounded to bf16 once (|values| < 1 here).
 BF16_ATOL = 8e-3
 
+#: Shapes the default run leaves to ``--sweeps`` (one graph compile each): the
+#: default run checks SmolLM2's grouping (4) and, with a window, grouping 3 at
+#: head size 128.
+SWEEP_CONFIGS = (MHA_64, GQA3_128, GQA4_BF16)
+
+
+def cases(rows: list[tuple[Any, ...]]) -> list[Any]:
+    """``rows`` as parameters, those of a sweep shape marked ``sweep``."""
+    return [
+        pytest.param(*row, marks=[pytest.mark.sweep] if row[0] in SWEEP_CONFIGS else [])
+        for row in rows
+    ]
+
+
 CASES = [
     (MHA_64, [1]),
     (MHA_64, [2, 63, 64, 65]),
@@ -168,7 +183,7 @@ CASES = [
 
 @pytest.mark.parametrize(
     ("config", "contexts"),
-    CASES,
+    cases(CASES),
     ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-d{c.head_dim}-w{c.window}-{x}" for c, x in CASES],
 )
 def test_decode_matches_numpy(
@@ -181,7 +196,7 @@ def test_decode_matches_numpy(
     assert worst <= (BF16_ATOL if config.dtype == DType.bfloat16 else F32_ATOL), worst
 
 
-@pytest.mark.parametrize("config", [MHA_64, GQA4_64])
+@pytest.mark.parametrize("config", [pytest.param(MHA_64, marks=pytest.mark.sweep), GQA4_64])
 def test_decode_batch_64_mixed_lengths(
     decode_model: Callable[[DecodeConfig], Model],
     session: InferenceSession,
@@ -206,7 +221,7 @@ VERIFY_CASES = [
 
 @pytest.mark.parametrize(
     ("config", "contexts", "new"),
-    VERIFY_CASES,
+    cases(VERIFY_CASES),
     ids=[f"{c.dtype}-q{c.q_heads}-kv{c.kv_heads}-w{c.window}-{n}" for c, _, n in VERIFY_CASES],
 )
 def test_verify_steps_match_numpy(

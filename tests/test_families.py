@@ -40,6 +40,7 @@ from maxkv.serving.scheduler import ContinuousBatchingScheduler
 from maxkv.tiers import TierConfig
 from maxkv.tiers.local_server import LocalRedisServer
 
+from .conftest import skip_unless_sweeps
 from .family_checkpoints import (
     ALL_SLIDING,
     FAMILIES,
@@ -66,6 +67,12 @@ def prompts_for(family: str, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+#: Families the default run leaves to ``--sweeps`` on the paged cache (one graph
+#: compile each): Mistral's window is Gemma 3's kind of layer, Qwen 3's q/k norms
+#: are checked in bfloat16 below.
+PAGED_SWEEP = ("mistral", "qwen3")
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     family = str(request.param)
@@ -81,11 +88,13 @@ def family_of(checkpoint: Path) -> str:
 
 @pytest.mark.compile
 def test_greedy_tokens_match_transformers_paged_prefix_cached(
-    checkpoint: Path, session: InferenceSession
+    checkpoint: Path, session: InferenceSession, request: pytest.FixtureRequest
 ) -> None:
     from maxkv.models.hf import hf_from_pretrained, hf_generate
 
     family = family_of(checkpoint)
+    if family in PAGED_SWEEP:
+        skip_unless_sweeps(request)
     config, weights = load_model(checkpoint)
     prompts = prompts_for(family, config.vocab_size, seed=3)
     assert config.sliding == (family in SLIDING)
@@ -159,11 +168,13 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
 #: scaling and the sliding windows (the blocks of the others do not depend on
 #: the cache; one graph compile per family and cache kind, kept to the CI budget).
 CONTIGUOUS = ("llama3", *SLIDING)
+#: Of those, the default run checks Llama 3's (the others: ``--sweeps``).
+CONTIGUOUS_SWEEP = SLIDING
 
 
 @pytest.mark.compile
 def test_ragged_logits_match_transformers_contiguous(
-    checkpoint: Path, session: InferenceSession
+    checkpoint: Path, session: InferenceSession, request: pytest.FixtureRequest
 ) -> None:
     torch = pytest.importorskip("torch")
     from maxkv.models.hf import hf_from_pretrained
@@ -171,6 +182,8 @@ def test_ragged_logits_match_transformers_contiguous(
     family = family_of(checkpoint)
     if family not in CONTIGUOUS:
         pytest.skip(f"{family}: checked on the paged cache (CONTIGUOUS)")
+    if family in CONTIGUOUS_SWEEP:
+        skip_unless_sweeps(request)
     config, weights = load_model(checkpoint)
     hf = hf_from_pretrained(checkpoint)
     long = WINDOW + 30 if family in SLIDING else 40
@@ -505,6 +518,7 @@ def test_gemma3_reloads_its_prefix_from_redis_in_a_second_process(
 
 
 @pytest.mark.compile
+@pytest.mark.sweep  # a bfloat16 cache under attention: tests/test_attention.py
 def test_logits_over_a_bfloat16_cache_match_transformers_reading_bfloat16_kv(
     tmp_path: Path, session: InferenceSession
 ) -> None:
@@ -666,7 +680,11 @@ def _closest_position(row: np.ndarray, every: np.ndarray) -> str:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("family", PROJECTED_APART)
+@pytest.mark.parametrize(
+    "family",
+    # Qwen 3's q/k norms by default; Qwen 2's bias and Gemma 3's with --sweeps.
+    [f if f == "qwen3" else pytest.param(f, marks=pytest.mark.sweep) for f in PROJECTED_APART],
+)
 def test_bfloat16_families_with_a_bias_or_qk_norms_match_transformers(
     family: str, tmp_path: Path, session: InferenceSession
 ) -> None:

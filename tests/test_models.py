@@ -961,6 +961,7 @@ def _gemma3_tokenizer(path: Path) -> Any:
 
 
 @pytest.mark.model
+@pytest.mark.sweep  # Gemma 3's windows on a tiny checkpoint: tests/test_families.py
 def test_gemma3_270m_greedy_past_its_window_matches_transformers(gemma3_gguf: Path) -> None:
     """The second real model: its K-quant GGUF read as transformers reads it, its
     SentencePiece vocabulary tokenized with BOS, and 16 greedy tokens after a

@@ -295,7 +295,7 @@ def max_generate(
 
 
 @pytest.mark.serve
-@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+@pytest.mark.parametrize("cache", ["paged", pytest.param("contiguous", marks=pytest.mark.sweep)])
 def test_max_generate_matches_transformers(
     cache: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -446,7 +446,11 @@ def test_every_family_is_registered_for_max_pipelines() -> None:
 
 
 @pytest.mark.serve
-@pytest.mark.parametrize("family", GENERATE_FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    # Mistral's window is one of Gemma 3's layer groups: a further family with --sweeps.
+    [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.sweep) for f in GENERATE_FAMILIES],
+)
 def test_max_generate_runs_every_family_as_transformers_does(
     family: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

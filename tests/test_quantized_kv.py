@@ -128,7 +128,15 @@ def rows_with_ties(rng: np.random.Generator, tokens: int) -> np.ndarray:
     return rows
 
 
-@pytest.mark.parametrize("encoding", [*QUANTIZED_ENCODINGS, "bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        *QUANTIZED_ENCODINGS,
+        # 16-bit caches: also through attention in tests/test_attention.py.
+        pytest.param("bfloat16", marks=pytest.mark.sweep),
+        pytest.param("float16", marks=pytest.mark.sweep),
+    ],
+)
 def test_writes_encode_exactly_as_numpy(
     encoding: str, session: InferenceSession, kernels: Path
 ) -> None:
@@ -160,7 +168,10 @@ def test_writes_encode_exactly_as_numpy(
         assert not decode_rows(got[2, 0, 0], encoding).any()
 
 
-@pytest.mark.parametrize("encoding", QUANTIZED_ENCODINGS)
+@pytest.mark.parametrize(
+    "encoding",
+    [e if e == "int8" else pytest.param(e, marks=pytest.mark.sweep) for e in QUANTIZED_ENCODINGS],
+)
 def test_fork_copies_quantized_rows_with_their_scales(
     encoding: str, session: InferenceSession, kernels: Path
 ) -> None:
