@@ -169,3 +169,64 @@ def test_every_override_of_a_private_max_method_is_a_seam() -> None:
             if owners and not any((owner, name) in overridden for owner in owners):
                 undeclared.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
     assert not undeclared, f"overrides of MAX methods not in seams.SEAMS: {undeclared}"
+
+
+#: Run in a fresh interpreter: what each import leaves of the MAX names maxkv
+#: changes (functions by identity, the router by its routes, the format table by
+#: its keys).
+IMPORTS_CHANGE_NOTHING = """
+import json
+from maxkv import seams
+
+changed = [s for s in seams.SEAMS if s.use in ("wrapped", "extended")]
+
+def state(seam):
+    value = seam.resolve()
+    if hasattr(value, "routes"):
+        return [[getattr(r, "path", ""), id(getattr(r, "endpoint", None))] for r in value.routes]
+    if isinstance(value, dict):
+        return sorted(map(str, value))
+    return id(value)
+
+def states():
+    return {s.path: state(s) for s in changed}
+
+first = states()
+import maxkv, maxkv.serving.pipelines, maxkv.serving.pipelines.architecture  # the library
+library = states()
+import maxkv.pipelines  # MAX's entry point for --custom-architectures
+entry = states()
+maxkv.serving.pipelines.install()  # once per process
+print(json.dumps({"first": first, "library": library, "entry": entry, "again": states()}))
+"""
+
+
+def test_importing_maxkv_changes_nothing_of_max_and_the_entry_point_installs() -> None:
+    """``import maxkv`` and ``import maxkv.serving.pipelines`` leave every name MAX
+    holds as it was; ``import maxkv.pipelines`` (what ``--custom-architectures``
+    imports) changes each wrapped or extended seam that serving needs, and a
+    second :func:`~maxkv.serving.pipelines.install` changes nothing more."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_CHANGE_NOTHING],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = json.loads(done.stdout.strip().splitlines()[-1])
+    assert states["library"] == states["first"]
+    changed = {path for path in states["first"] if states["entry"][path] != states["first"][path]}
+    installed = {
+        seams.PARSE_OPENAI_REQUEST.path,
+        seams.OPENAI_ROUTER.path,
+        seams.CANCELLED_REQUESTS.path,
+        seams.PENDING_REQUESTS.path,
+        seams.KV_CACHE_FORMATS.path,
+    }
+    assert installed <= changed, installed - changed
+    assert states["again"] == states["entry"]

@@ -14,6 +14,10 @@ sharing unless ``MAXKV_CACHE=contiguous`` (:data:`CACHE_ENV`, see
         --quantization-encoding float32 --max-length 512 --max-batch-size 4 --top-k 1 \\
         --prompt "Hello" --max-new-tokens 16
 
+Importing this package changes nothing of MAX's; :func:`install` makes the
+changes a serving process needs (:mod:`maxkv.serving.pipelines.hooks`), and the
+entry point :mod:`maxkv.pipelines` calls it.
+
 Tested with MAX 26.7 only (:data:`SUPPORTED_MAX`); importing this module
 under another MAX raises :class:`UnsupportedMaxVersionError`.
 """
@@ -28,8 +32,7 @@ check_max_version()
 
 from .api import refuse_unsupported_requests  # noqa: E402
 from .architecture import ARCHITECTURES, MaxkvTextGenerationPipeline  # noqa: E402
-from .cancels import remember_cancels  # noqa: E402
-from .choices import wrap_choice_routes  # noqa: E402
+from .hooks import install  # noqa: E402
 from .kv_adapter import MaxkvKVManager  # noqa: E402
 from .model import (  # noqa: E402
     CACHE_ENV,
@@ -38,12 +41,6 @@ from .model import (  # noqa: E402
     MaxkvPipelineModel,
     cache_kind,
 )
-from .render import add_render_routes  # noqa: E402
-
-refuse_unsupported_requests()
-add_render_routes()
-wrap_choice_routes()
-remember_cancels()
 
 #: The value of ``--custom-architectures`` for this installation of maxkv:
 #: ``<folder holding the maxkv package>:maxkv.pipelines`` (the entry point that
@@ -63,5 +60,6 @@ __all__ = [
     "UnsupportedMaxVersionError",
     "cache_kind",
     "check_max_version",
+    "install",
     "refuse_unsupported_requests",
 ]

@@ -27,12 +27,12 @@ from ... import seams
 from ...models.registry import registered_architectures
 from .api import MaxkvTextTokenizer
 from .context import MaxkvTextContext
+from .hooks import install
 from .kv_adapter import MaxkvKVManager
 from .model import (
     MaxkvArchConfig,
     MaxkvMemoryPlanner,
     MaxkvPipelineModel,
-    accept_maxkv_formats,
     host_array,
 )
 from .speculation import ServeSpeculation, SpeculationMetrics, completes_stop_string
@@ -48,6 +48,8 @@ class MaxkvTextGenerationPipeline(text_generation.TextGenerationPipeline):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        install()  # the model worker unpickles this class without the entry point
+
         def load_maxkv_manager(**load_kwargs: Any) -> MaxkvKVManager:
             model = self._pipeline_model
             if not isinstance(model, MaxkvPipelineModel):
@@ -287,4 +289,3 @@ def maxkv_architecture(name: str) -> SupportedArchitecture:
 
 #: What ``--custom-architectures`` registers (overriding MAX's own of the same names).
 ARCHITECTURES = [maxkv_architecture(name) for name in registered_architectures()]
-accept_maxkv_formats()
