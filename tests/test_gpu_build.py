@@ -24,7 +24,9 @@ import pytest
 
 from maxkv.kernels import kernels_source_path
 
-pytestmark = pytest.mark.compile
+#: A sweep case: building maxkv's GPU kernels for sm_90 without a GPU takes minutes
+#: on a small CPU (``pytest --sweeps``: before a GPU session, after a change to a GPU path).
+pytestmark = [pytest.mark.compile, pytest.mark.sweep]
 
 #: (dtype name, KV heads, head_dim, page size): float32 and SmolLM2's KV shape.
 SHAPE = ("float32", 3, 64, 16)

@@ -33,7 +33,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.compile
+#: A sweep case: compiling a graph for sm_90 without a GPU takes minutes
+#: on a small CPU (``pytest --sweeps``: before a GPU session, after a change to a GPU path).
+pytestmark = [pytest.mark.compile, pytest.mark.sweep]
 
 LAYERS = 4
 

@@ -480,6 +480,7 @@ def test_max_generate_runs_every_family_as_transformers_does(
 
 
 @pytest.mark.serve
+@pytest.mark.sweep  # sinks' numerics: tests/test_sinks.py; their settings: below
 def test_max_generate_with_attention_sinks_runs_as_streaming_transformers(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -721,6 +722,7 @@ def test_max_serve_replicas_share_signed_prefixes_through_redis_and_refuse_forge
 
 @pytest.mark.serve
 @pytest.mark.redis
+@pytest.mark.sweep  # layer groups through Redis: tests/test_families.py (two processes)
 def test_max_serve_gemma3_replicas_share_every_layer_groups_prefix_through_redis(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, redis_server: RedisServer
 ) -> None:

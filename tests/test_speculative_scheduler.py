@@ -75,7 +75,11 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("output", ["tokens", "logits"])
+@pytest.mark.parametrize(
+    "output",
+    # The logits head at given rows: also tests/test_sequence_ops.py.
+    ["tokens", pytest.param("logits", marks=pytest.mark.sweep)],
+)
 def test_greedy_outputs_with_drafts_equal_the_reference(
     session: InferenceSession, expected: list[list[int]], output: str
 ) -> None:
