@@ -368,6 +368,7 @@ def test_gqa_prefill_decode_mixed_over_two_layers(
     assert worst < F32_ATOL
 
 
+@pytest.mark.sweep  # interleaved RoPE: none of the five families uses it
 def test_mha_interleaved_rope_at_nonzero_positions(
     layer_model: Callable[[AttentionConfig], Model], session: InferenceSession
 ) -> None:
@@ -497,8 +498,8 @@ def quantization_step(expected: np.ndarray, params: KVCacheParams) -> np.ndarray
     [
         GQA_F32_CACHE_BF16,
         pytest.param(MHA_F32_STORE_ROPE_CACHE_F16, marks=pytest.mark.sweep),
-        GQA_F32_CACHE_INT8,
         # Their writes are checked exactly in tests/test_quantized_kv.py.
+        pytest.param(GQA_F32_CACHE_INT8, marks=pytest.mark.sweep),
         pytest.param(GQA_F32_CACHE_FLOAT8, marks=pytest.mark.sweep),
         pytest.param(GQA_F32_CACHE_INT4, marks=pytest.mark.sweep),
     ],
