@@ -168,14 +168,12 @@ def test_greedy_tokens_match_transformers_paged_prefix_cached(
 #: scaling and the sliding windows (the blocks of the others do not depend on
 #: the cache; one graph compile per family and cache kind, kept to the CI budget).
 CONTIGUOUS = ("llama3", *SLIDING)
-#: All of them are sweep cases: the default run checks the contiguous cache on
-#: SmolLM2 (tests/test_models.py) and these families on the paged cache.
-CONTIGUOUS_SWEEP = CONTIGUOUS
 
 
 @pytest.mark.compile
+@pytest.mark.sweep  # the contiguous cache: SmolLM2 (tests/test_models.py); these families: paged
 def test_ragged_logits_match_transformers_contiguous(
-    checkpoint: Path, session: InferenceSession, request: pytest.FixtureRequest
+    checkpoint: Path, session: InferenceSession
 ) -> None:
     torch = pytest.importorskip("torch")
     from maxkv.models.hf import hf_from_pretrained
@@ -183,8 +181,6 @@ def test_ragged_logits_match_transformers_contiguous(
     family = family_of(checkpoint)
     if family not in CONTIGUOUS:
         pytest.skip(f"{family}: checked on the paged cache (CONTIGUOUS)")
-    if family in CONTIGUOUS_SWEEP:
-        skip_unless_sweeps(request)
     config, weights = load_model(checkpoint)
     hf = hf_from_pretrained(checkpoint)
     long = WINDOW + 30 if family in SLIDING else 40
