@@ -442,7 +442,7 @@ def test_store_kv_with_rope_refuses_positions_past_the_table(
 BF16_ATOL, BF16_RTOL = 6e-2, 2e-2
 
 
-@pytest.mark.sweep  # bfloat16 models: tests/test_bfloat16.py, tests/test_families.py
+@pytest.mark.sweep  # a bfloat16 model: tests/test_bfloat16.py
 def test_bf16_gqa_prefill_then_decode(
     layer_model: Callable[[AttentionConfig], Model], session: InferenceSession
 ) -> None:

@@ -132,7 +132,7 @@ def rows_with_ties(rng: np.random.Generator, tokens: int) -> np.ndarray:
     "encoding",
     [
         *QUANTIZED_ENCODINGS,
-        # 16-bit caches: also through attention in tests/test_attention.py.
+        # A bfloat16 cache is checked under attention: tests/test_attention.py.
         pytest.param("bfloat16", marks=pytest.mark.sweep),
         pytest.param("float16", marks=pytest.mark.sweep),
     ],
