@@ -22,7 +22,7 @@ from max.graph import DeviceRef, Graph, TensorType, Weight
 
 from maxkv import ops as kvops
 from maxkv import settings
-from maxkv.cpu import linear as cpu_linear
+from maxkv.cpu import features as cpu_features
 from maxkv.cpu.quantized import PACKED_FORMATS, PackedFormat
 from maxkv.models import load_model
 
@@ -109,18 +109,28 @@ def test_16_bit_floats_and_float32_mode_stay_by_rows() -> None:
 @pytest.mark.unit
 def test_the_mode_is_read_and_checked_against_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """``MAXKV_ACTIVATIONS`` takes float32 or int8 only; int8 is refused by name on a
-    CPU without AVX2, never run in float32 instead."""
+    CPU with neither AVX2 nor AVX-512 VNNI, never run in float32 instead, and names
+    the instructions the kernels multiply with where it runs."""
     monkeypatch.delenv("MAXKV_ACTIVATIONS", raising=False)
     assert kvops.activations() == "float32"
     monkeypatch.setenv("MAXKV_ACTIVATIONS", "bfloat16")
     with pytest.raises(settings.SettingError, match="MAXKV_ACTIVATIONS"):
         kvops.activations()
     monkeypatch.setenv("MAXKV_ACTIVATIONS", "int8")
-    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: frozenset({"sse2", "fma"}))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2", "fma"}))
     with pytest.raises(settings.SettingError, match=r"MAXKV_ACTIVATIONS=int8 .* AVX2"):
         kvops.activations()
-    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_features.int8_dot_products() is None
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert kvops.activations() == "int8"
+    assert cpu_features.int8_dot_products() == "AVX2"
+    # VNNI without AVX-512 (AVX-VNNI on client chips): the kernels use AVX2's pairs.
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx_vnni"}))
+    assert cpu_features.int8_dot_products() == "AVX2"
+    flags = frozenset({"avx2", "avx512f", "avx512_vnni"})
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
+    assert kvops.activations() == "int8"
+    assert cpu_features.int8_dot_products() == "AVX-512 VNNI"
 
 
 @pytest.mark.unit

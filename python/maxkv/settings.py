@@ -208,7 +208,7 @@ ACTIVATIONS: Setting[str] = Setting(
     "how the CPU model multiplies matrices held as a GGUF's integer blocks: float32, "
     "the exact products of the dequantized weights; int8, each activation row "
     "quantized to int8 per block and multiplied in integers (faster, approximate; "
-    "needs AVX2)",
+    "AVX-512 VNNI where the CPU has it, else AVX2)",
     "process",
 )  # fmt: skip
 PACKED_CACHE: Setting[bool] = Setting(

@@ -16,7 +16,7 @@ from max.graph import TensorType, TensorValue, ops
 from .. import settings
 from ..graph.checks import check_positive_int, check_tensor, static_dim
 from .arrays import aligned_zeros
-from .features import cpu_flags
+from .features import cpu_flags, int8_dot_products
 from .quantized import ACTIVATIONS, PACKED_FORMATS, SUPER, PackedFormat
 
 #: Output columns per tile of a weight packed by :func:`pack_linear_weight`.
@@ -37,17 +37,18 @@ def packed_block_cols() -> int:
 
 def activations() -> str:
     """``MAXKV_ACTIVATIONS``, one of :data:`~maxkv.cpu.quantized.ACTIVATIONS`, after
-    checking this host's CPU runs it: ``"int8"`` needs AVX2 (VPMADDUBSW).
+    checking this host's CPU runs it: ``"int8"`` needs AVX2 or AVX-512 VNNI
+    (:func:`~maxkv.cpu.features.int8_dot_products`).
 
     Raises:
         SettingError: If the CPU cannot run the mode asked for.
     """
     mode = settings.ACTIVATIONS.read()
     assert mode in ACTIVATIONS, mode
-    if mode == "int8" and "avx2" not in cpu_flags():
+    if mode == "int8" and int8_dot_products() is None:
         raise settings.SettingError(
-            "MAXKV_ACTIVATIONS=int8 multiplies with AVX2's VPMADDUBSW, which this CPU "
-            "lacks; unset it (float32)"
+            "MAXKV_ACTIVATIONS=int8 multiplies with AVX2 (VPMADDUBSW) or AVX-512 VNNI "
+            "(VPDPBUSD), which this CPU lacks; unset it (float32)"
         )
     return mode
 

@@ -33,7 +33,7 @@ from ..cache.params import KVCacheParams
 from ..cache.protocol import KVCacheManagerBase
 from ..cache.spec import CacheInputs, CacheSpec, HybridCacheSpec
 from ..cpu.arrays import aligned
-from ..cpu.features import usable_cores
+from ..cpu.features import int8_dot_products, usable_cores
 from ..cpu.quantized import TILE, BlockQuantized, HeldMatrix, PackedFormat, TileBuilder
 from ..errors import ArgumentTypeError
 from ..graph.types import KVCacheCollection
@@ -779,8 +779,8 @@ class DecoderModel:
             )
         return (
             f"MAXKV_ACTIVATIONS={self.activations}: the {held} matrices held as integer "
-            "blocks are multiplied by activations quantized to int8 per block of 32 or 16; "
-            "other matrices and attention in float32"
+            "blocks are multiplied by activations quantized to int8 per block of 32 or 16 "
+            f"({int8_dot_products()}); other matrices and attention in float32"
         )
 
     @property
