@@ -549,6 +549,11 @@ def _madd(a: SIMD[DType.int16, 16], b: SIMD[DType.int16, 16]) -> SIMD[DType.int3
 
 
 comptime I32x16 = SIMD[DType.int32, 16]
+comptime INT8_PREFETCH = 2048
+"""Bytes ahead of a VNNI block's integers that it prefetches: a group's integers
+are a short stream (24 KiB for 3,072 rows of 4-bit ones) that the hardware
+prefetchers pick up late (one run, 2-core Zen 4, Llama 3.2 3B's Q4_K gate/up
+at one row: 1.39-1.70 ms without, 1.18 ms with; Q6_K 2.65 -> 2.31 ms)."""
 comptime _VNNI = CompilationTarget.has_avx512f() and CompilationTarget.has_vnni()
 """Whether int8 blocks use AVX-512 VNNI's VPDPBUSD (`_dpbusd`) instead of AVX2's
 VPMADDUBSW / VPMADDWD pairs."""
@@ -629,6 +634,11 @@ def _int8_block[R: Int, BITS: Int, ADD: Bool, QB: Int, FACT: Bool](
     var blocks = K // QB
     comptime if _VNNI:
         for kb in range(blocks):
+            comptime BLOCK_BYTES = (QB // QUAD) * GROUP
+            comptime for line in range(0, BLOCK_BYTES, 64):
+                prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
+                    g.unsafe_offset(kb * BLOCK_BYTES + INT8_PREFETCH + line)
+                )
             var dots = StaticTuple[I32x16, R](fill=I32x16(0))
             comptime for i in range(QB // QUAD):
                 var p = kb * (QB // QUAD) + i
